@@ -1,0 +1,310 @@
+"""Times DotProductAttention per backend against the libraries called directly, on the H200.
+
+Prints TFLOP/s (causal counted as half) and the ratio direct_time / dpa_time, and writes a
+markdown table, a JSON file and a PNG plot to --out. Sections:
+
+  uniform   THD batches (the NOTES batch: 32,768 tokens in 14 sequences of 512-4096; many short;
+            few long) and a dense bshd batch, causal and full, head dim 128 and 64
+  gaps      the NOTES batch with gaps between sequences vs the same tokens without gaps
+  per_seq   half the sequences causal: DotProductAttention (one call per policy) vs uniform
+            vs regrouping (gather per policy with host-synced sizes, 2 calls, scatter)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import traceback
+from pathlib import Path
+
+import torch
+
+from transformer_engine.pytorch import DotProductAttention
+
+NOTES_LENGTHS = [4096, 3584, 3072, 2560, 2048, 4096, 1536, 1024, 512, 3072, 2048, 2560, 1024, 1536]
+BATCHES = {
+    "notes-32k": NOTES_LENGTHS,
+    "many-short": [128] * 256,
+    "few-long": [8192] * 4,
+}
+H = 16
+ONLY = {"FA4": {"NVTE_FUSED_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"}, "cuDNN": {"NVTE_FLASH_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"}}
+
+
+def bench(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=150, return_mode="median")
+
+
+def flops(lengths, d, causal, bwd):
+    f = sum(4 * s * s * H * d for s in lengths) * (0.5 if causal else 1.0)
+    return f * (3.5 if bwd else 1.0)
+
+
+def cu(xs):
+    out = [0]
+    for x in xs:
+        out.append(out[-1] + x)
+    return torch.tensor(out, dtype=torch.int32, device="cuda")
+
+
+def thd_inputs(total, d, grad):
+    return [torch.randn(total, H, d, device="cuda", dtype=torch.bfloat16, requires_grad=grad) for _ in range(3)]
+
+
+def timed(fwd, inputs, with_bwd):
+    """Median ms of fwd() alone, or of fwd()+backward."""
+    if not with_bwd:
+        with torch.no_grad():
+            return bench(fwd)
+    out = fwd()
+    g = torch.randn_like(out)
+
+    def step():
+        for t in inputs:
+            t.grad = None
+        fwd().backward(g)
+
+    return bench(step)
+
+
+class Env:
+    def __init__(self, values):
+        self.values, self.saved = values, {}
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.values}
+        os.environ.update(self.values)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def dpa_thd(lengths, d, mask, gaps=None, per_seq=None):
+    """A closure running DotProductAttention on a THD batch, with optional gaps/policies."""
+    slots = [n + (gaps[i] if gaps else 0) for i, n in enumerate(lengths)]
+    inputs = thd_inputs(sum(slots), d, True)
+    dpa = DotProductAttention(H, d, qkv_format="thd", attn_mask_type=mask)
+    kwargs = dict(cu_seqlens_q=cu(lengths), max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    kwargs["cu_seqlens_kv"] = kwargs["cu_seqlens_q"]
+    if gaps:
+        kwargs["cu_seqlens_q_padded"] = kwargs["cu_seqlens_kv_padded"] = cu(slots)
+    if per_seq is not None:
+        kwargs["attn_mask_type_per_seq"] = per_seq
+    return (lambda: dpa(*inputs, **kwargs)), inputs, dpa
+
+
+def fa4_direct(lengths, d, causal):
+    from flash_attn.cute import flash_attn_varlen_func
+
+    inputs = thd_inputs(sum(lengths), d, True)
+    c = cu(lengths)
+    m = max(lengths)
+
+    def fwd():
+        out = flash_attn_varlen_func(*inputs, cu_seqlens_q=c, cu_seqlens_k=c, max_seqlen_q=m, max_seqlen_k=m, causal=causal)
+        return out[0] if isinstance(out, tuple) else out
+
+    return fwd, inputs
+
+
+def cudnn_direct(lengths, d, causal):
+    import cudnn.sdpa.fwd.torch_op  # noqa: F401  (registers torch.ops.cudnn.sdpa_fwd/bwd)
+
+    inputs = thd_inputs(sum(lengths), d, True)
+    c, m, scale = cu(lengths), max(lengths), d ** -0.5
+
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            o, lse = torch.ops.cudnn.sdpa_fwd(q, k, v, scale, is_causal=causal, cu_seqlens_q=c, cu_seqlens_kv=c,
+                                              max_seqlen_q=m, max_seqlen_kv=m, return_lse=True)
+            ctx.save_for_backward(q, k, v, o, lse)
+            return o
+
+        @staticmethod
+        def backward(ctx, g):
+            q, k, v, o, lse = ctx.saved_tensors
+            return torch.ops.cudnn.sdpa_bwd(g.contiguous(), q, k, v, o, lse, scale, is_causal=causal, cu_seqlens_q=c,
+                                            cu_seqlens_kv=c, max_seqlen_q=m, max_seqlen_kv=m)
+
+    return (lambda: Fn.apply(*inputs)), inputs
+
+
+def row(section, batch, d, mask, what, ms, f):
+    r = dict(section=section, batch=batch, head_dim=d, mask=mask, what=what, ms=round(ms, 4), tflops=round(f / ms / 1e9, 1))
+    print(json.dumps(r), flush=True)
+    return r
+
+
+def uniform_section(rows, head_dims):
+    for batch, lengths in BATCHES.items():
+        for d in head_dims:
+            for causal in (True, False):
+                mask = "padding_causal" if causal else "padding"
+                for with_bwd in (False, True):
+                    f = flops(lengths, d, causal, with_bwd)
+                    tag = "fwd+bwd" if with_bwd else "fwd"
+                    for lib, direct in (("FA4", fa4_direct), ("cuDNN", cudnn_direct)):
+                        try:
+                            fn, inputs = direct(lengths, d, causal)
+                            rows.append(row("uniform", batch, d, mask, f"{lib} direct {tag}", timed(fn, inputs, with_bwd), f))
+                            with Env(ONLY[lib]):
+                                fn, inputs, _ = dpa_thd(lengths, d, mask)
+                                rows.append(row("uniform", batch, d, mask, f"{lib} via DPA {tag}", timed(fn, inputs, with_bwd), f))
+                        except Exception:
+                            traceback.print_exc()
+
+
+def gaps_section(rows):
+    gaps = [(-n) % 256 + 64 for n in NOTES_LENGTHS]  # round each slot up, plus 64 rows
+    for lib in ("FA4", "cuDNN"):
+        for causal in (True, False):
+            mask = "padding_causal" if causal else "padding"
+            for with_bwd in (False, True):
+                f = flops(NOTES_LENGTHS, 128, causal, with_bwd)
+                tag = "fwd+bwd" if with_bwd else "fwd"
+                try:
+                    with Env(ONLY[lib]):
+                        for name, g in (("no gaps", None), ("gaps", gaps)):
+                            fn, inputs, _ = dpa_thd(NOTES_LENGTHS, 128, mask, gaps=g)
+                            rows.append(row("gaps", "notes-32k", 128, mask, f"{lib} {name} {tag}", timed(fn, inputs, with_bwd), f))
+                except Exception:
+                    traceback.print_exc()
+
+
+def per_seq_section(rows):
+    b = len(NOTES_LENGTHS)
+    ids_causal = torch.arange(0, b, 2, device="cuda")
+    ids_full = torch.arange(1, b, 2, device="cuda")
+    per_seq = {"padding_causal": ids_causal, "padding": ids_full}
+    causal_len = [NOTES_LENGTHS[i] for i in range(0, b, 2)]
+    full_len = [NOTES_LENGTHS[i] for i in range(1, b, 2)]
+    for lib in ("FA4", "cuDNN"):
+        for with_bwd in (False, True):
+            f = flops(causal_len, 128, True, with_bwd) + flops(full_len, 128, False, with_bwd)
+            tag = "fwd+bwd" if with_bwd else "fwd"
+            try:
+                with Env(ONLY[lib]):
+                    fn, inputs, _ = dpa_thd(NOTES_LENGTHS, 128, "padding", per_seq=per_seq)
+                    rows.append(row("per_seq", "notes-32k", 128, "mixed", f"{lib} mixed via DPA {tag}", timed(fn, inputs, with_bwd), f))
+                    for mask in ("padding_causal", "padding"):
+                        fn, inputs, _ = dpa_thd(NOTES_LENGTHS, 128, mask)
+                        uf = flops(NOTES_LENGTHS, 128, mask == "padding_causal", with_bwd)
+                        rows.append(row("per_seq", "notes-32k", 128, mask, f"{lib} uniform {mask} {tag}", timed(fn, inputs, with_bwd), uf))
+                    fn, inputs = regroup(per_seq)
+                    rows.append(row("per_seq", "notes-32k", 128, "mixed", f"{lib} regroup {tag}", timed(fn, inputs, with_bwd), f))
+            except Exception:
+                traceback.print_exc()
+
+
+def regroup(per_seq):
+    """The slow baseline: gather whole sequences per policy (host-synced sizes), run each
+    group as its own packed batch, scatter back."""
+    inputs = thd_inputs(sum(NOTES_LENGTHS), 128, True)
+    c = cu(NOTES_LENGTHS)
+    dpa = DotProductAttention(H, 128, qkv_format="thd", attn_mask_type="padding")
+
+    def fwd():
+        out = torch.empty(inputs[0].shape[0], H * 128, device="cuda", dtype=torch.bfloat16)
+        for mask, ids in per_seq.items():
+            lengths = (c[ids + 1] - c[ids]).tolist()  # host sync, as the upstream proposal did
+            rows = torch.cat([torch.arange(int(c[i]), int(c[i]) + n, device="cuda") for i, n in zip(ids.tolist(), lengths)])
+            part = dpa(*(t.index_select(0, rows) for t in inputs), cu_seqlens_q=cu(lengths), cu_seqlens_kv=cu(lengths),
+                       max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths), attn_mask_type=mask)
+            out = out.index_copy(0, rows, part)
+        return out
+
+    return fwd, inputs
+
+
+def dense_section(rows):
+    b, s, d = 8, 4096, 128
+    for causal in (True, False):
+        mask = "causal" if causal else "no_mask"
+        for with_bwd in (False, True):
+            f = 4 * b * s * s * H * d * (0.5 if causal else 1.0) * (3.5 if with_bwd else 1.0)
+            tag = "fwd+bwd" if with_bwd else "fwd"
+            try:
+                from flash_attn.cute import flash_attn_func
+
+                inputs = [torch.randn(b, s, H, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+
+                def direct():
+                    out = flash_attn_func(*inputs, causal=causal)
+                    return out[0] if isinstance(out, tuple) else out
+
+                rows.append(row("dense", f"bshd b{b} s{s}", d, mask, f"FA4 direct {tag}", timed(direct, inputs, with_bwd), f))
+                dpa = DotProductAttention(H, d, qkv_format="bshd", attn_mask_type=mask)
+                with Env(ONLY["FA4"]):
+                    rows.append(row("dense", f"bshd b{b} s{s}", d, mask, f"FA4 via DPA {tag}", timed(lambda: dpa(*inputs), inputs, with_bwd), f))
+            except Exception:
+                traceback.print_exc()
+
+
+def write(rows, out_dir: Path, device: str):
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(dict(device=device, rows=rows), indent=1))
+    lines = [f"Device: {device}. bf16, {H} heads. TFLOP/s count causal as half; fwd+bwd counts 3.5x the forward FLOPs.", "",
+             "| section | batch | d | mask | what | ms | TFLOP/s |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['section']} | {r['batch']} | {r['head_dim']} | {r['mask']} | {r['what']} | {r['ms']} | {r['tflops']} |" for r in rows]
+    lines += ["", "Ratio direct_time / DPA_time (target >= 0.95):", "", "| batch | d | mask | pass | FA4 | cuDNN |", "|---|---|---|---|---|---|"]
+    index = {(r["batch"], r["head_dim"], r["mask"], r["what"]): r["ms"] for r in rows}
+    for (batch, d, mask, what), ms in index.items():
+        if what.startswith("FA4 direct"):
+            tag = what.split()[-1]
+            ratios = []
+            for lib in ("FA4", "cuDNN"):
+                direct, dpa = index.get((batch, d, mask, f"{lib} direct {tag}")), index.get((batch, d, mask, f"{lib} via DPA {tag}"))
+                ratios.append(f"{direct / dpa:.3f}" if direct and dpa else "-")
+            lines.append(f"| {batch} | {d} | {mask} | {tag} | {ratios[0]} | {ratios[1]} |")
+    (out_dir / "bench.md").write_text("\n".join(lines) + "\n")
+    plot(rows, out_dir / "bench.png")
+    print("\n".join(lines))
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sel = [r for r in rows if r["section"] in ("uniform", "dense")]
+    labels = [f"{r['batch']} d{r['head_dim']} {r['mask'].replace('padding_', '').replace('padding', 'full')}\n{r['what']}" for r in sel]
+    fig, ax = plt.subplots(figsize=(10, max(4, 0.22 * len(sel))))
+    colors = ["tab:blue" if "FA4" in r["what"] else "tab:green" for r in sel]
+    ax.barh(range(len(sel)), [r["tflops"] for r in sel], color=colors, alpha=[0.5 if "direct" in r["what"] else 1.0 for r in sel][0])
+    ax.set_yticks(range(len(sel)), labels, fontsize=5)
+    ax.invert_yaxis()
+    ax.set_xlabel("TFLOP/s (bf16, causal counted as half)")
+    ax.set_title("DotProductAttention vs direct library calls (H200)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--sections", default="uniform,gaps,per_seq,dense")
+    ap.add_argument("--head-dims", default="128,64")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    device = torch.cuda.get_device_name()
+    rows = []
+    sections = args.sections.split(",")
+    if "uniform" in sections:
+        uniform_section(rows, [int(x) for x in args.head_dims.split(",")])
+    if "gaps" in sections:
+        gaps_section(rows)
+    if "per_seq" in sections:
+        per_seq_section(rows)
+    if "dense" in sections:
+        dense_section(rows)
+    write(rows, Path(args.out), device)
+
+
+if __name__ == "__main__":
+    main()

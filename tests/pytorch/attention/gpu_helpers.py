@@ -1,0 +1,54 @@
+"""Helpers for the GPU tests: force one backend, compare it with the unfused one."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+GPU_BACKENDS = {
+    # label -> the switches that leave only that backend (and the unfused fallback) on
+    "FlashAttention v4": {"NVTE_FUSED_ATTN": "0"},
+    "FusedAttention": {"NVTE_FLASH_ATTN": "0"},
+}
+
+
+@contextlib.contextmanager
+def env(**values):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_on(label, dpa, *args, **kwargs):
+    """Run dpa with only ``label`` (or, for "unfused", only the unfused backend) switched on."""
+    switches = {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "0"} if label == "unfused" else dict(GPU_BACKENDS[label], NVTE_UNFUSED_ATTN="0")
+    with env(**switches):
+        try:
+            out = dpa(*args, **kwargs)
+        except NotImplementedError as err:
+            if label == "unfused":
+                raise
+            pytest.skip(f"{label} cannot run this configuration: {err}")
+    return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def grads_of(out, leaves, g):
+    for t in leaves:
+        t.grad = None
+    out.backward(g)
+    return [t.grad.clone() for t in leaves]

@@ -1,0 +1,134 @@
+"""FlashAttention v4 and FusedAttention (cuDNN) against the unfused backend on the GPU:
+formats x masks x GQA x windows x THD (with and without gaps), fp16/bf16, forward and
+dQ/dK/dV; plus CUDA-graph capture and torch.compile. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transformer_engine.pytorch import DotProductAttention
+
+from .gpu_helpers import GPU_BACKENDS, grads_of, rel_err, run_on
+from .packing import make_thd
+
+pytestmark = pytest.mark.gpu
+H, D = 4, 128
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+LENGTHS = [100, 300, 37, 511, 1]
+GAPS = [12, 0, 27, 1, 64]
+
+THD_CASES = [
+    # (mask, window, hg, gaps, dtype)
+    ("padding", None, 4, False, torch.bfloat16),
+    ("padding_causal", None, 4, False, torch.bfloat16),
+    ("padding_causal", None, 1, False, torch.bfloat16),
+    ("padding", None, 2, True, torch.bfloat16),
+    ("padding_causal", None, 4, True, torch.bfloat16),
+    ("padding_causal", (64, 0), 4, True, torch.bfloat16),
+    ("padding", (32, 32), 4, False, torch.bfloat16),
+    ("padding_causal", None, 4, True, torch.float16),
+]
+
+
+def _compare(label, dpa, inputs, kwargs, dtype, valid_rows=None):
+    out = run_on(label, dpa, *inputs, **kwargs)
+    assert dpa.last_selection.label == label
+    g = torch.randn_like(out)
+    got = grads_of(out, inputs, g)
+    ref_in = [t.detach().clone().requires_grad_() for t in inputs]
+    ref = run_on("unfused", dpa, *ref_in, **kwargs)
+    want = grads_of(ref, ref_in, g)
+    tol = TOL[dtype]
+    assert rel_err(out, ref) < tol, f"out: {rel_err(out, ref):.2e}"
+    for name, a, b in zip("qkv", got, want):
+        assert torch.isfinite(a).all(), f"d{name} has non-finite values"
+        assert rel_err(a, b) < 4 * tol, f"d{name}: {rel_err(a, b):.2e}"
+    if valid_rows is not None:
+        rows_q, rows_kv = valid_rows
+        assert torch.all(out.view(out.shape[0], -1)[~rows_q] == 0)
+        for a, rows in zip(got, (rows_q, rows_kv, rows_kv)):
+            assert torch.all(a[~rows] == 0)
+
+
+@pytest.mark.parametrize("label", list(GPU_BACKENDS))
+@pytest.mark.parametrize("mask,window,hg,gaps,dtype", THD_CASES)
+def test_thd(label, mask, window, hg, gaps, dtype):
+    p = make_thd(LENGTHS, gaps_q=GAPS if gaps else None, h=H, hg=hg, d=D, dtype=dtype, device="cuda", tail=5)
+    dpa = DotProductAttention(H, D, num_gqa_groups=hg, qkv_format="thd", attn_mask_type=mask, window_size=window)
+    kwargs = p.kwargs(gaps, max(LENGTHS), max(LENGTHS), shared=True)
+    if not gaps:  # without gaps the tail past the last sequence holds finite garbage, not NaN
+        for t in (p.q, p.k, p.v):
+            t.data[~p.valid_q] = 7.0
+    _compare(label, dpa, [p.q, p.k, p.v], kwargs, dtype, (p.valid_q, p.valid_kv))
+
+
+DENSE_CASES = [
+    ("bshd", "no_mask", 256, 256),
+    ("bshd", "causal", 256, 256),
+    ("bshd", "causal_bottom_right", 128, 384),
+    ("sbhd", "causal", 256, 256),
+    ("bshd", "padding_causal", 256, 256),
+]
+
+
+@pytest.mark.parametrize("label", list(GPU_BACKENDS))
+@pytest.mark.parametrize("fmt,mask,sq,skv", DENSE_CASES)
+def test_dense(label, fmt, mask, sq, skv):
+    b, dtype = 2, torch.bfloat16
+    shape = lambda s, h: (b, s, h, D) if fmt == "bshd" else (s, b, h, D)  # noqa: E731
+    inputs = [torch.randn(shape(s, h), device="cuda", dtype=dtype, requires_grad=True) for s, h in ((sq, H), (skv, 2), (skv, 2))]
+    kwargs = {}
+    if mask.startswith("padding"):
+        lengths = torch.tensor([sq, sq // 2], device="cuda")
+        pad = torch.arange(sq, device="cuda").view(1, sq) >= lengths.view(b, 1)
+        kwargs["attention_mask"] = pad.view(b, 1, 1, sq)
+    dpa = DotProductAttention(H, D, num_gqa_groups=2, qkv_format=fmt, attn_mask_type=mask)
+    _compare(label, dpa, inputs, kwargs, dtype)
+
+
+@pytest.mark.parametrize("label", list(GPU_BACKENDS))
+def test_cuda_graph_capture(label):
+    p = make_thd(LENGTHS, gaps_q=GAPS, h=H, hg=H, d=D, dtype=torch.bfloat16, device="cuda")
+    dpa = DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding_causal")
+    kwargs = p.kwargs(True, max(LENGTHS), max(LENGTHS), shared=True)
+    q, k, v = (t.detach().clone().requires_grad_() for t in (p.q, p.k, p.v))
+    g = torch.randn(q.shape[0], H * D, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up: JIT compiles and cuDNN plans are built outside capture
+            run_on(label, dpa, q, k, v, **kwargs).backward(g)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    q.grad = k.grad = v.grad = None
+    with torch.cuda.graph(graph):
+        out = run_on(label, dpa, q, k, v, **kwargs)
+        out.backward(g)
+    eager = run_on(label, dpa, *(t.detach().clone().requires_grad_() for t in (p.q, p.k, p.v)), **kwargs)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, eager) < 1e-3
+    assert torch.isfinite(q.grad).all() and torch.all(q.grad[~p.valid_q] == 0)
+
+
+@pytest.mark.parametrize("label", list(GPU_BACKENDS))
+def test_torch_compile_fullgraph(label):
+    p = make_thd(LENGTHS, gaps_q=GAPS, h=H, hg=H, d=D, dtype=torch.bfloat16, device="cuda")
+    dpa = DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding_causal")
+    kwargs = p.kwargs(True, max(LENGTHS), max(LENGTHS), shared=True)
+    qkv = torch.stack([p.q.detach(), p.k.detach(), p.v.detach()], dim=1).requires_grad_()
+
+    def f(qkv):
+        return dpa(qkv_layer=qkv, qkv_interleave_dim=-3, **kwargs)
+
+    compiled = torch.compile(f, fullgraph=True)
+    switches = dict(GPU_BACKENDS[label], NVTE_UNFUSED_ATTN="0")
+    from .gpu_helpers import env
+
+    with env(**switches):
+        out = compiled(qkv)
+        out.float().sum().backward()
+        eager = f(qkv.detach())
+    assert rel_err(out, eager) < 1e-3
+    assert torch.all(qkv.grad[~p.valid_q] == 0) and torch.isfinite(qkv.grad).all()

@@ -1,0 +1,128 @@
+"""MultiheadAttention against a plain PyTorch computation from the same weights (THD
+included), and proof that its fused projection goes through as a declared packed buffer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from transformer_engine.pytorch import MultiheadAttention
+
+HID, H, D = 32, 4, 8
+
+
+def _plain(mha, x, enc, hg, causal, lengths=None):
+    """Attention written from the module's weights with F.scaled_dot_product_attention."""
+    x_n = mha.layernorm(x) if mha.layernorm is not None else x
+    lead = x.shape[:-1]
+    if hasattr(mha, "qkv"):
+        mixed = mha.qkv(x_n)
+        if mha.interleaved:
+            grouped = mixed.view(*lead, hg, H // hg + 2, D)
+            q = grouped[..., : H // hg, :].reshape(*lead, H, D)
+            k, v = grouped[..., H // hg, :], grouped[..., H // hg + 1, :]
+        else:
+            q, k, v = mixed.split([H * D, hg * D, hg * D], dim=-1)
+            q, k, v = q.view(*lead, H, D), k.view(*lead, hg, D), v.view(*lead, hg, D)
+    else:
+        src = enc if enc is not None else x_n
+        q = mha.query(x_n).view(*lead, H, D)
+        if hasattr(mha, "key_value"):
+            kv = mha.key_value(src).view(*src.shape[:-1], *((hg, 2, D) if mha.interleaved else (2, hg, D)))
+            k, v = kv.unbind(-2 if mha.interleaved else -3)
+        else:
+            k, v = mha.key(src).view(*src.shape[:-1], hg, D), mha.value(src).view(*src.shape[:-1], hg, D)
+    k, v = (t.repeat_interleave(H // hg, dim=-2) for t in (k, v))
+    if lengths is None:  # sbhd -> [b, h, s, d]
+        out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=causal)
+        ctx = out.permute(2, 0, 1, 3).reshape(*lead, H * D)
+    else:
+        pieces, start = [], 0
+        for n in lengths:
+            qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
+            pieces.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal).transpose(0, 1).reshape(n, H * D))
+            start += n
+        ctx = torch.cat(pieces)
+    return mha.proj(ctx)
+
+
+CASES = [
+    # (attention_type, fuse, interleaved, hg, layernorm, norm)
+    ("self", True, True, H, True, "LayerNorm"),
+    ("self", True, False, H, False, "LayerNorm"),
+    ("self", True, True, 2, True, "RMSNorm"),
+    ("self", True, False, 2, False, "LayerNorm"),
+    ("self", False, True, 2, False, "LayerNorm"),
+    ("cross", True, True, 2, False, "LayerNorm"),
+    ("cross", True, False, H, True, "LayerNorm"),
+    ("cross", False, False, H, False, "LayerNorm"),
+]
+
+
+@pytest.mark.parametrize("attention_type,fuse,interleaved,hg,ln,norm", CASES)
+def test_sbhd_matches_plain_pytorch(attention_type, fuse, interleaved, hg, ln, norm):
+    torch.manual_seed(0)
+    mask = "causal" if attention_type == "self" else "no_mask"
+    mha = MultiheadAttention(HID, H, num_gqa_groups=hg, attention_dropout=0.0, attn_mask_type=mask, attention_type=attention_type,
+                             fuse_qkv_params=fuse, qkv_weight_interleaved=interleaved, input_layernorm=ln, normalization=norm,
+                             params_dtype=torch.float64, device="cpu")
+    x = torch.randn(6, 2, HID, dtype=torch.float64)
+    enc = torch.randn(9, 2, HID, dtype=torch.float64) if attention_type == "cross" else None
+    out = mha(x, encoder_output=enc)
+    ref = _plain(mha, x, enc, hg, causal=attention_type == "self")
+    torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_thd_matches_plain_pytorch(interleaved):
+    torch.manual_seed(1)
+    lengths = [3, 5, 2]
+    mha = MultiheadAttention(HID, H, attention_dropout=0.0, attn_mask_type="padding_causal", fuse_qkv_params=True,
+                             qkv_weight_interleaved=interleaved, params_dtype=torch.float64, device="cpu", qkv_format="thd")
+    x = torch.randn(sum(lengths), HID, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, 3, 8, 10], dtype=torch.int32)
+    out = mha(x, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
+    ref = _plain(mha, x, None, H, causal=True, lengths=lengths)
+    torch.testing.assert_close(out, ref)
+    out.sum().backward()
+    assert torch.isfinite(mha.qkv.weight.grad).all()
+
+
+def test_fused_projection_goes_through_as_qkv_layer(monkeypatch):
+    mha = MultiheadAttention(HID, H, attention_dropout=0.0, fuse_qkv_params=True, device="cpu")
+    seen = {}
+    real = mha.core_attention.forward
+
+    def spy(*args, **kwargs):
+        seen.update({k: v for k, v in kwargs.items() if k in ("qkv_layer", "kv_layer", "query_layer", "qkv_interleave_dim")})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mha.core_attention, "forward", spy)
+    mha(torch.randn(4, 2, HID))
+    assert "qkv_layer" in seen and seen["qkv_interleave_dim"] == -2 and "query_layer" not in seen
+
+
+def test_rope_uses_sliced_path_and_rotates():
+    torch.manual_seed(2)
+    mha = MultiheadAttention(HID, H, attention_dropout=0.0, fuse_qkv_params=True, device="cpu", params_dtype=torch.float64)
+    x = torch.randn(6, 1, HID, dtype=torch.float64)
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    freqs = torch.outer(torch.arange(6, dtype=torch.float64), inv)
+    freqs = torch.cat([freqs, freqs], dim=-1).view(6, 1, 1, D)
+    zero = torch.zeros_like(freqs)
+    plain = mha(x)
+    assert torch.allclose(mha(x, rotary_pos_emb=zero), plain)  # angle 0 is the identity
+    assert not torch.allclose(mha(x, rotary_pos_emb=freqs), plain)
+
+
+def test_bad_normalization():
+    with pytest.raises(ValueError, match="normalization must be 'LayerNorm' or 'RMSNorm'; got 'BatchNorm'"):
+        MultiheadAttention(HID, H, normalization="BatchNorm", device="cpu")
+
+
+def test_scale_default():
+    mha = MultiheadAttention(HID, H, device="cpu")
+    assert math.isclose(mha.core_attention.softmax_scale, 1 / math.sqrt(D))

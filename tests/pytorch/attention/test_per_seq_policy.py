@@ -1,0 +1,198 @@
+"""Per-sequence mask policies against a per-sequence reference: mixed, all-full, all-causal,
+empty groups, an empty batch, GQA, with and without gaps; validation messages; sync-free and
+CUDA-graph capture on the GPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from transformer_engine.pytorch import DotProductAttention
+
+from .gpu_helpers import GPU_BACKENDS, grads_of, rel_err, run_on
+from .packing import make_thd
+from .reference import reference_thd
+
+H, D = 4, 8
+LENGTHS = [5, 3, 7, 1, 4, 6]
+GAPS = [2, 0, 1, 3, 0, 2]
+
+
+def _ids(*xs, device="cpu"):
+    return torch.tensor(xs, dtype=torch.int64, device=device)
+
+
+def _expected(p, per_seq_types, per_seq_windows, gaps, scale):
+    refs = [t.detach().double().nan_to_num(0.0).requires_grad_() for t in (p.q, p.k, p.v)]
+    off_q, off_kv = (p.off_q, p.off_kv) if gaps else (p.cu_q, p.cu_kv)
+    return refs, reference_thd(*refs, p.cu_q, p.cu_kv, off_q, off_kv, per_seq_types, per_seq_windows, scale)
+
+
+POLICIES = {
+    "mixed": ({"padding_causal": _ids(0, 2, 4), "padding": _ids(1, 3, 5)}, None),
+    "all-full": ({"padding": _ids(0, 1, 2, 3, 4, 5), "padding_causal": _ids()}, None),
+    "all-causal": ({"padding_causal": _ids(5, 4, 3, 2, 1, 0)}, None),
+    "three-with-window": ({"padding_causal": _ids(0, 3), "padding": _ids(1), ("padding_causal", (2, 0)): _ids(2, 4, 5)}, None),
+    "bottom-right-and-window": ({"padding_causal_bottom_right": _ids(1, 2), ("padding", (1, 1)): _ids(0, 3, 4, 5)}, None),
+    "is-causal": (None, torch.tensor([True, False, False, True, True, False])),
+}
+
+
+def _policy_table(per_seq, is_causal, b):
+    types, windows = [None] * b, [None] * b
+    if is_causal is not None:
+        for i, c in enumerate(is_causal.tolist()):
+            types[i] = "padding_causal" if c else "padding"
+        return types, windows
+    for key, ids in per_seq.items():
+        mask, window = key if isinstance(key, tuple) else (key, None)
+        for i in ids.tolist():
+            types[i], windows[i] = mask, window
+    return types, windows
+
+
+@pytest.mark.parametrize("gaps", [False, True])
+@pytest.mark.parametrize("hg", [4, 2])
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_cpu_parity(name, hg, gaps):
+    per_seq, is_causal = POLICIES[name]
+    p = make_thd(LENGTHS, gaps_q=GAPS if gaps else None, h=H, hg=hg, d=D, tail=2)
+    dpa = DotProductAttention(H, D, num_gqa_groups=hg, qkv_format="thd", attn_mask_type="padding")
+    out = dpa(p.q, p.k, p.v, **p.kwargs(gaps, 7, 7, shared=True), attn_mask_type_per_seq=per_seq,
+              thd_sequence_is_causal=is_causal).view(-1, H, D)
+    types, windows = _policy_table(per_seq, is_causal, len(LENGTHS))
+    refs, ref = _expected(p, types, windows, gaps, 1 / math.sqrt(D))
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(ref)
+    for got, want, valid in zip(grads_of(out, [p.q, p.k, p.v], g), grads_of(ref, refs, g), (p.valid_q, p.valid_kv, p.valid_kv)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        assert torch.all(got[~valid] == 0)
+
+
+def test_uniform_policy_is_exactly_the_scalar_path():
+    p = make_thd(LENGTHS, gaps_q=GAPS, h=H, d=D, dtype=torch.float32)
+    dpa = DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding")
+    kw = p.kwargs(True, 7, 7, shared=True)
+    scalar = dpa(p.q, p.k, p.v, attn_mask_type="padding_causal", **kw)
+    policy = dpa(p.q, p.k, p.v, attn_mask_type_per_seq={"padding_causal": _ids(*range(6)), "padding": _ids()}, **kw)
+    assert torch.equal(scalar, policy)
+    assert dpa.last_selection.backend is not None
+
+
+def test_empty_batch():
+    p = make_thd([], h=H, d=D, tail=3)
+    dpa = DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding")
+    out = dpa(p.q, p.k, p.v, cu_seqlens_q=p.cu_q, cu_seqlens_kv=p.cu_kv, max_seqlen_q=0, max_seqlen_kv=0,
+              attn_mask_type_per_seq={"padding_causal": _ids(), "padding": _ids()})
+    assert out.shape == (3, H * D) and torch.all(out == 0)
+    out.sum().backward()
+    assert torch.all(p.q.grad == 0)
+
+
+ERRORS = [
+    (dict(attn_mask_type_per_seq={"padding_causal": _ids(0, 1)}), ValueError, "place each of the 6 sequences in exactly one entry; its entries hold 2"),
+    (dict(attn_mask_type_per_seq={"diagonal": _ids(*range(6))}), ValueError, "attn_mask_type_per_seq key must be one of"),
+    (dict(attn_mask_type_per_seq={"padding": torch.arange(6.0)}), TypeError, r"attn_mask_type_per_seq\['padding'\] must be a 1-D integer tensor"),
+    (dict(attn_mask_type_per_seq={("padding_causal", (2, 2)): _ids(*range(6))}), ValueError, "reaches right of the diagonal"),
+    (dict(attn_mask_type_per_seq={"arbitrary": _ids(*range(6))}), ValueError, "cannot use 'arbitrary'"),
+    (dict(attn_mask_type_per_seq=[("padding", _ids(*range(6)))]), TypeError, "attn_mask_type_per_seq must be a non-empty dict"),
+    (dict(thd_sequence_is_causal=torch.tensor([1, 0, 1, 0, 1, 0])), TypeError, "thd_sequence_is_causal must be a 1-D bool tensor"),
+    (dict(thd_sequence_is_causal=torch.tensor([True, False])), ValueError, "thd_sequence_is_causal must hold one value per sequence"),
+    (dict(thd_sequence_is_causal=torch.ones(6, dtype=torch.bool), attn_mask_type_per_seq={"padding": _ids(*range(6))}), ValueError, "not both"),
+    (dict(thd_sequence_is_causal=torch.ones(6, dtype=torch.bool), core_attention_bias_type="alibi"), NotImplementedError, "core_attention_bias_type='alibi' cannot be combined with per-sequence"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,msg", ERRORS, ids=[str(i) for i in range(len(ERRORS))])
+def test_validation(kwargs, exc, msg):
+    p = make_thd(LENGTHS, h=H, d=D)
+    dpa = DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding")
+    with pytest.raises(exc, match=msg):
+        dpa(p.q, p.k, p.v, **p.kwargs(False, 7, 7, shared=True), **kwargs)
+
+
+def test_dense_format_rejected():
+    q = torch.randn(2, 5, H, D)
+    dpa = DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="no_mask")
+    with pytest.raises(NotImplementedError, match="thd_sequence_is_causal needs qkv_format='thd'"):
+        dpa(q, q, q, thd_sequence_is_causal=torch.ones(2, dtype=torch.bool))
+
+
+def test_debug_switch_catches_duplicate_ids(monkeypatch):
+    monkeypatch.setenv("NVTE_ATTN_VALIDATE", "1")
+    p = make_thd(LENGTHS, h=H, d=D)
+    dpa = DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding")
+    with pytest.raises(ValueError, match=r"leaves sequences \[5\] without a policy"):
+        dpa(p.q, p.k, p.v, **p.kwargs(False, 7, 7, shared=True), attn_mask_type_per_seq={"padding": _ids(0, 1, 2), "padding_causal": _ids(3, 4, 4)})
+
+
+# ------------------------------------------------------------------------------------ GPU
+
+GPU_LENGTHS = [300, 17, 512, 1, 200, 64]
+GPU_GAPS = [5, 0, 33, 2, 0, 100]
+
+
+def _gpu_policies(device):
+    return {
+        "mixed": {"padding_causal": _ids(0, 2, 4, device=device), "padding": _ids(1, 3, 5, device=device)},
+        "empty-group": {"padding_causal": _ids(*range(6), device=device), "padding": _ids(device=device)},
+        "three": {"padding_causal": _ids(0, 5, device=device), "padding": _ids(1, 2, device=device),
+                  ("padding_causal", (64, 0)): _ids(3, 4, device=device)},
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label", list(GPU_BACKENDS))
+@pytest.mark.parametrize("name", ["mixed", "empty-group", "three"])
+@pytest.mark.parametrize("gaps,hg,dtype", [(True, 4, torch.bfloat16), (False, 2, torch.bfloat16), (True, 4, torch.float16)])
+def test_gpu_parity(label, name, gaps, hg, dtype):
+    p = make_thd(GPU_LENGTHS, gaps_q=GPU_GAPS if gaps else None, h=H, hg=hg, d=128, dtype=dtype, device="cuda", tail=7 if gaps else 0)
+    dpa = DotProductAttention(H, 128, num_gqa_groups=hg, qkv_format="thd", attn_mask_type="padding")
+    kwargs = dict(p.kwargs(gaps, 512, 512, shared=True), attn_mask_type_per_seq=_gpu_policies("cuda")[name])
+    out = run_on(label, dpa, p.q, p.k, p.v, **kwargs)
+    g = torch.randn_like(out)
+    got = grads_of(out, [p.q, p.k, p.v], g)
+    ref_in = [t.detach().clone().requires_grad_() for t in (p.q, p.k, p.v)]
+    ref = run_on("unfused", dpa, *ref_in, **kwargs)
+    want = grads_of(ref, ref_in, g)
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    assert rel_err(out, ref) < tol and torch.all(out[~p.valid_q] == 0)
+    for a, b, valid in zip(got, want, (p.valid_q, p.valid_kv, p.valid_kv)):
+        assert torch.isfinite(a).all() and torch.all(a[~valid] == 0)
+        assert rel_err(a, b) < 4 * tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label", list(GPU_BACKENDS))
+def test_gpu_no_sync_and_cuda_graph(label):
+    """Mixed policies with gaps, forward+backward: no sync (sync debug mode 'error'), and the
+    same step captured in a CUDA graph replays to the eager result."""
+    p = make_thd(GPU_LENGTHS, gaps_q=GPU_GAPS, h=H, d=128, dtype=torch.bfloat16, device="cuda")
+    dpa = DotProductAttention(H, 128, qkv_format="thd", attn_mask_type="padding")
+    kwargs = dict(p.kwargs(True, 512, 512, shared=True), thd_sequence_is_causal=torch.tensor([1, 0, 1, 0, 1, 0], dtype=torch.bool, device="cuda"))
+    q, k, v = (t.detach().clone().requires_grad_() for t in (p.q, p.k, p.v))
+    g = torch.randn(q.shape[0], H * 128, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up on a side stream (JIT, cuDNN plans), as capture needs
+        for _ in range(2):
+            run_on(label, dpa, q, k, v, **kwargs).backward(g)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = run_on(label, dpa, q, k, v, **kwargs)
+        eager.backward(g)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    eager_dq = q.grad.clone()
+    q.grad = k.grad = v.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run_on(label, dpa, q, k, v, **kwargs)
+        out.backward(g)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, eager) < 1e-3 and rel_err(q.grad, eager_dq) < 1e-3

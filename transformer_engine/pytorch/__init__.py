@@ -1,0 +1,5 @@
+"""TransformerEngine-compatible PyTorch modules (attention)."""
+
+from .attention import DotProductAttention, MultiheadAttention
+
+__all__ = ["DotProductAttention", "MultiheadAttention"]

@@ -1,0 +1,17 @@
+"""DotProductAttention, its backends and backend selection."""
+
+from .dot_product_attention import DotProductAttention
+from .masks import AttnMaskType
+from .params import AttentionParams
+from .utils import BackendSelection, explain_backends, get_attention_backend, get_qkv_layout, support_matrix_markdown
+
+__all__ = [
+    "AttentionParams",
+    "AttnMaskType",
+    "BackendSelection",
+    "DotProductAttention",
+    "explain_backends",
+    "get_attention_backend",
+    "get_qkv_layout",
+    "support_matrix_markdown",
+]

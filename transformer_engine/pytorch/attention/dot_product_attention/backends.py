@@ -1,0 +1,457 @@
+"""One class per backend: its support declaration and the translation into its library.
+
+Shape legend: T = packed tokens, B = batch, S = length, H = query heads, HG = key/value heads,
+D = head dim. ``run`` takes :class:`AttentionInputs` and returns [B, S, H, Dv] or [T, H, Dv].
+
+Packed (THD) batches reach every GPU library the same way (:class:`VarlenPlan`): physical slot
+offsets as ``cu_seqlens``, valid lengths as per-sequence lengths (``seqused``), and one call per
+live mask policy in which the other policies' sequences have length 0. Rows no call owns (gaps
+between sequences, the tail, other policies' rows) come out exactly 0, forward and backward.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import ClassVar, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import gpu_ops  # noqa: F401  (registers the custom ops; imports no GPU library)
+from .masks import AttnMaskType, MaskSpec
+from .params import AttentionInputs
+from .support import ALL_FLOAT, BackendSupport, Reason
+from .thd import PackedSeqs
+from .unfused import unfused_attention
+
+ops = torch.ops.te_attn
+
+
+# ---------------------------------------------------------------------------------- THD routing
+
+
+@dataclass
+class VarlenCall:
+    """One kernel call: its mask policy, and per-sequence valid lengths (None = from cu_seqlens)."""
+
+    policy: int
+    spec: MaskSpec
+    seqused_q: Optional[torch.Tensor]
+    seqused_kv: Optional[torch.Tensor]
+
+
+@dataclass
+class VarlenPlan:
+    """How a packed batch maps onto varlen kernel calls.
+
+    ``owner_q``/``owner_kv`` ([T] int64) give each row's policy, -1 on rows no sequence owns;
+    None when every row is written by the single call (no gaps, one policy).
+    """
+
+    offsets_q: torch.Tensor
+    offsets_kv: torch.Tensor
+    calls: List[VarlenCall]
+    owner_q: Optional[torch.Tensor]
+    owner_kv: Optional[torch.Tensor]
+    has_gaps: bool = False
+
+    @property
+    def needs_row_mask(self) -> bool:
+        return self.owner_q is not None
+
+    def sanitized(self, q, k, v):
+        """q/k/v with gap rows zeroed, when the batch has gaps.
+
+        FlashAttention loads whole tiles, so rows just past a sequence (its gap) enter the
+        matrix products with probability 0, and 0 * NaN = NaN: a NaN in a gap would leak into
+        valid rows. One ``where`` per tensor stops that; NVTE_FLASH_ATTN_SANITIZE_GAPS=0 skips it
+        for callers whose gap rows are known to be finite."""
+        if not self.has_gaps or os.getenv("NVTE_FLASH_ATTN_SANITIZE_GAPS", "1") == "0":
+            return q, k, v
+        keep_q, keep_kv = (o.view(-1, 1, 1) >= 0 for o in (self.owner_q, self.owner_kv))
+        zero = torch.zeros((), dtype=q.dtype, device=q.device)
+        return torch.where(keep_q, q, zero), torch.where(keep_kv, k, zero), torch.where(keep_kv, v, zero)
+
+
+def plan_varlen(inp: AttentionInputs) -> VarlenPlan:
+    pq, pk = inp.packed_q, inp.packed_kv
+    policies = inp.policies
+    spec = inp.mask if policies is None else policies.uniform_spec()
+    if spec is not None:
+        if not (pq.has_gaps or pk.has_gaps):
+            return VarlenPlan(pq.cu_seqlens, pk.cu_seqlens, [VarlenCall(0, spec, None, None)], None, None)
+        zero = torch.zeros(pq.batch_size, dtype=torch.int64, device=pq.offsets.device)
+        call = VarlenCall(0, spec, pq.seqlens(), pk.seqlens())
+        return VarlenPlan(pq.offsets, pk.offsets, [call], _row_owner(pq, zero), _row_owner(pk, zero), True)
+    calls = []
+    len_q, len_kv = pq.seqlens(), pk.seqlens()
+    for p in policies.active():
+        mine = policies.seq_mask(p)
+        calls.append(VarlenCall(p, policies.specs[p], torch.where(mine, len_q, 0), torch.where(mine, len_kv, 0)))
+    owner = policies.policy_of_seq
+    return VarlenPlan(pq.offsets, pk.offsets, calls, _row_owner(pq, owner), _row_owner(pk, owner), pq.has_gaps or pk.has_gaps)
+
+
+def _row_owner(p: PackedSeqs, seq_policy: torch.Tensor) -> torch.Tensor:
+    if p.batch_size == 0:
+        return torch.full((p.total_tokens,), -1, dtype=torch.int64, device=p.offsets.device)
+    seq = p.token_seq_ids().clamp(0, p.batch_size - 1)
+    return torch.where(p.token_valid(), seq_policy[seq], -1)
+
+
+def combine_rows(owner: Optional[torch.Tensor], parts: Sequence[Tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """Row r of the result is row r of the part whose policy owns it; unowned rows are 0."""
+    if owner is None:
+        return parts[0][1]
+    view = tuple(owner.shape) + (1,) * (parts[0][1].dim() - owner.dim())
+    result = torch.zeros((), dtype=parts[0][1].dtype, device=parts[0][1].device)
+    for policy, part in parts:
+        result = torch.where(owner.view(view) == policy, part, result)
+    return result
+
+
+class _MaskRowGrad(torch.autograd.Function):
+    """Identity forward; the backward keeps only rows where ``keep`` is True (others exactly 0).
+
+    Used around libraries with their own autograd that leave skipped gradient rows unwritten."""
+
+    @staticmethod
+    def forward(ctx, x, keep):
+        ctx.save_for_backward(keep)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (keep,) = ctx.saved_tensors
+        return torch.where(keep.view(-1, *([1] * (grad.dim() - 1))), grad, 0), None
+
+
+def fa_mask_args(spec: MaskSpec) -> Tuple[bool, int, int]:
+    """(causal, window_left, window_right) in FlashAttention's bottom-right convention."""
+    left, right = spec.window
+    if spec.mask_type.is_causal and left < 0:
+        return True, -1, -1
+    return False, left, right
+
+
+# ---------------------------------------------------------------------------------- backends
+
+
+class UnfusedDotProductAttention(BackendSupport):
+    """Pure PyTorch: every feature, every device; the reference the others are checked against."""
+
+    NAME = "UnfusedDotProductAttention"
+    ENV_VARS = ("NVTE_UNFUSED_ATTN",)
+    SUPPORTED_DEVICES = frozenset({"cpu", "cuda"})
+    SUPPORTED_DTYPES = ALL_FLOAT
+    SUPPORTED_MASK_TYPES = frozenset(AttnMaskType)
+    SUPPORTED_BIAS_TYPES = frozenset({"no_bias", "pre_scale_bias", "post_scale_bias", "alibi"})
+    MAX_HEAD_DIM = 1 << 16
+    HEAD_DIM_MULTIPLE = 1
+    SUPPORTS_DROPOUT = True
+    SUPPORTS_PAD_BETWEEN_SEQS = True
+    SUPPORTS_PER_SEQ_POLICY = True
+
+    @classmethod
+    def _check_special(cls, params, libs):
+        if params.qkv_format == "thd" and params.core_attention_bias_type in ("pre_scale_bias", "post_scale_bias"):
+            return [Reason("core_attention_bias_type", f"{params.core_attention_bias_type} with thd", "no_bias or alibi with thd (a bias tensor has no packed layout)")]
+        return []
+
+    @staticmethod
+    def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
+        return unfused_attention(inp, training)
+
+
+class FlashAttention(BackendSupport):
+    """FlashAttention; one subclass per library version. Its diagonal is always bottom-right."""
+
+    NAME = "FlashAttention"
+    VERSION: ClassVar[int] = 0
+    SUPPORTS_TOP_LEFT_CROSS = False
+    SUPPORTS_DENSE_PADDING = False
+    NOTES = {
+        "attention_mask": "FlashAttention takes padding only as cu_seqlens (qkv_format='thd')",
+        "attn_mask_type": "FlashAttention aligns causal masks bottom-right only",
+    }
+
+    @classmethod
+    def label(cls) -> str:
+        return f"FlashAttention v{cls.VERSION}"
+
+
+class FlashAttentionV4(FlashAttention):
+    """flash-attn-4 (``flash_attn.cute``): Hopper and Blackwell, JIT-compiled CuTe kernels."""
+
+    VERSION = 4
+    ENV_VARS = ("NVTE_FLASH_ATTN", "NVTE_FLASH_ATTN_V4")
+    LIBRARY = "flash_attn_4"
+    COMPUTE_CAPABILITY_MAJORS = frozenset({9, 10})
+    SUPPORTS_PAD_BETWEEN_SEQS = True
+    SUPPORTS_PER_SEQ_POLICY = True
+
+    @classmethod
+    def _check_special(cls, params, libs):
+        cc = params.compute_capability
+        if cc is not None and cc[0] == 10 and max(params.head_dim_qk, params.head_dim_v) > 128:
+            if (params.head_dim_qk, params.head_dim_v) != (256, 256):
+                return [Reason("head_dim_qk", str(params.head_dim_qk), "<= 128 or (256, 256) on sm10x")]
+        return []
+
+    @staticmethod
+    def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
+        if not inp.is_thd:
+            return _FA4Attention.apply(inp.q, inp.k, inp.v, inp, None)
+        plan = plan_varlen(inp)
+        return _FA4Attention.apply(inp.q, inp.k, inp.v, inp, plan)
+
+
+class _FA4Attention(torch.autograd.Function):
+    """Forward: every call writes its own rows of one zero-filled output (no combine pass).
+    Backward: FA4 writes NaN into dQ/dK rows of sequences it skips, so each call gets its own
+    gradient buffers and one ``where`` per tensor keeps each row from its owner's call."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, inp: AttentionInputs, plan: Optional[VarlenPlan]):
+        if plan is not None:
+            q, k, v = plan.sanitized(q, k, v)
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+        h = q.shape[-2]
+        lse_shape = (h, q.shape[0]) if plan is not None else (q.shape[0], h, q.shape[1])
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        calls = plan.calls if plan is not None else [VarlenCall(0, inp.mask, None, None)]
+        for call in calls:
+            ops.fa4_fwd(q, k, v, out, lse, *_fa4_varlen_args(inp, plan, call), inp.softmax_scale, *fa_mask_args(call.spec))
+        ctx.inp, ctx.plan = inp, plan
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        inp, plan = ctx.inp, ctx.plan
+        calls = plan.calls if plan is not None else [VarlenCall(0, inp.mask, None, None)]
+        grads = []
+        for call in calls:
+            dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+            ops.fa4_bwd(dout.contiguous(), q, k, v, out, lse, dq, dk, dv, *_fa4_varlen_args(inp, plan, call),
+                        inp.softmax_scale, *fa_mask_args(call.spec), torch.are_deterministic_algorithms_enabled())
+            grads.append((call.policy, dq, dk, dv))
+        if plan is None or not plan.needs_row_mask:
+            return grads[0][1], grads[0][2], grads[0][3], None, None
+        dq = combine_rows(plan.owner_q, [(p, g[0]) for p, *g in grads])
+        dk = combine_rows(plan.owner_kv, [(p, g[1]) for p, *g in grads])
+        dv = combine_rows(plan.owner_kv, [(p, g[2]) for p, *g in grads])
+        return dq, dk, dv, None, None
+
+
+def _fa4_varlen_args(inp: AttentionInputs, plan: Optional[VarlenPlan], call: VarlenCall):
+    if plan is None:
+        return None, None, None, None, inp.q.shape[1], inp.k.shape[1]
+    return (plan.offsets_q, plan.offsets_kv, call.seqused_q, call.seqused_kv,
+            inp.packed_q.max_seqlen, inp.packed_kv.max_seqlen)
+
+
+class FlashAttentionV3(FlashAttention):
+    """FA3 (``flash_attn_interface``, the Hopper build of flash-attention); not on PyPI."""
+
+    VERSION = 3
+    ENV_VARS = ("NVTE_FLASH_ATTN", "NVTE_FLASH_ATTN_V3")
+    LIBRARY = "flash_attn_3"
+    COMPUTE_CAPABILITY_MAJORS = frozenset({9})
+    SUPPORTS_PAD_BETWEEN_SEQS = True
+    SUPPORTS_PER_SEQ_POLICY = True
+
+    @staticmethod
+    def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
+        import flash_attn_interface as fa3
+
+        if not inp.is_thd:
+            causal, left, right = fa_mask_args(inp.mask)
+            return _first(fa3.flash_attn_func(inp.q, inp.k, inp.v, softmax_scale=inp.softmax_scale, causal=causal,
+                                              window_size=(left, right), deterministic=torch.are_deterministic_algorithms_enabled()))
+        return _run_library_varlen(inp, plan_varlen(inp), _fa3_varlen_call)
+
+
+def _fa3_varlen_call(q, k, v, inp: AttentionInputs, plan: VarlenPlan, call: VarlenCall):
+    import flash_attn_interface as fa3
+
+    causal, left, right = fa_mask_args(call.spec)
+    return _first(fa3.flash_attn_varlen_func(
+        q, k, v, plan.offsets_q, plan.offsets_kv, inp.packed_q.max_seqlen, inp.packed_kv.max_seqlen,
+        seqused_q=call.seqused_q, seqused_k=call.seqused_kv, softmax_scale=inp.softmax_scale,
+        causal=causal, window_size=(left, right), deterministic=torch.are_deterministic_algorithms_enabled(),
+    ))
+
+
+class FlashAttentionV2(FlashAttention):
+    """flash-attn 2 (``flash_attn``): Ampere and newer; dropout and ALiBi, no ``seqused``."""
+
+    VERSION = 2
+    ENV_VARS = ("NVTE_FLASH_ATTN", "NVTE_FLASH_ATTN_V2")
+    LIBRARY = "flash_attn_2"
+    MIN_COMPUTE_CAPABILITY = (8, 0)
+    SUPPORTS_DROPOUT = True
+    SUPPORTED_BIAS_TYPES = frozenset({"no_bias", "alibi"})
+    NOTES = {
+        **FlashAttention.NOTES,
+        "pad_between_seqs": "flash-attn 2 has no seqused_q/k, so it cannot skip gaps between sequences",
+        "attn_mask_type_per_seq": "per-sequence policies need seqused_q/k, which flash-attn 2 lacks",
+    }
+
+    @staticmethod
+    def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
+        import flash_attn
+
+        causal, left, right = fa_mask_args(inp.mask)
+        kwargs = dict(dropout_p=inp.dropout_p if training else 0.0, softmax_scale=inp.softmax_scale, causal=causal,
+                      window_size=(left, right), alibi_slopes=_fa2_alibi(inp),
+                      deterministic=torch.are_deterministic_algorithms_enabled())
+        if not inp.is_thd:
+            return flash_attn.flash_attn_func(inp.q, inp.k, inp.v, **kwargs)
+
+        def call_fn(q, k, v, inp, plan, call):
+            return flash_attn.flash_attn_varlen_func(q, k, v, plan.offsets_q, plan.offsets_kv, inp.packed_q.max_seqlen,
+                                                     inp.packed_kv.max_seqlen, **kwargs)
+
+        # No gaps here (declared unsupported), but rows past cu_seqlens[-1] are left unwritten.
+        plan = plan_varlen(inp)
+        zero = torch.zeros(inp.packed_q.batch_size, dtype=torch.int64, device=inp.q.device)
+        plan.owner_q, plan.owner_kv = _row_owner(inp.packed_q, zero), _row_owner(inp.packed_kv, zero)
+        return _run_library_varlen(inp, plan, call_fn)
+
+
+def _fa2_alibi(inp: AttentionInputs):
+    if inp.bias_type != "alibi":
+        return None
+    from .unfused import default_alibi_slopes
+
+    slopes = inp.alibi_slopes if inp.alibi_slopes is not None else default_alibi_slopes(inp.q.shape[-2])
+    return slopes.to(device=inp.q.device, dtype=torch.float32)
+
+
+def _first(result):
+    return result[0] if isinstance(result, tuple) else result
+
+
+def _run_library_varlen(inp: AttentionInputs, plan: VarlenPlan, call_fn) -> torch.Tensor:
+    """For libraries with their own autograd: each call sees inputs whose gradient keeps only
+    that call's rows, and the outputs are combined row by row."""
+    parts = []
+    for call in plan.calls:
+        q, k, v = inp.q, inp.k, inp.v
+        if plan.needs_row_mask:
+            q = _MaskRowGrad.apply(q, plan.owner_q == call.policy)
+            k = _MaskRowGrad.apply(k, plan.owner_kv == call.policy)
+            v = _MaskRowGrad.apply(v, plan.owner_kv == call.policy)
+        parts.append((call.policy, call_fn(q, k, v, inp, plan, call)))
+    return combine_rows(plan.owner_q, parts)
+
+
+class FusedAttention(BackendSupport):
+    """cuDNN 9 SDPA through nvidia-cudnn-frontend's graph API (THD via ragged offsets)."""
+
+    NAME = "FusedAttention"
+    ENV_VARS = ("NVTE_FUSED_ATTN",)
+    LIBRARY = "cudnn_frontend"
+    MIN_COMPUTE_CAPABILITY = (8, 0)
+    MAX_HEAD_DIM = 256
+    SUPPORTS_PAD_BETWEEN_SEQS = True
+    SUPPORTS_PER_SEQ_POLICY = True
+    NOTES = {
+        "attention_dropout": "cuDNN dropout (seed/offset tensors) is not wired into this backend yet",
+        "core_attention_bias_type": "cuDNN bias and ALiBi are not wired into this backend yet",
+    }
+
+    @classmethod
+    def _check_special(cls, params, libs):
+        cc = params.compute_capability
+        if cc is not None and cc[0] == 8 and max(params.head_dim_qk, params.head_dim_v) > 128:
+            return [Reason("head_dim_qk", str(params.head_dim_qk), "<= 128 on sm8x")]
+        return []
+
+    @staticmethod
+    def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
+        plan = plan_varlen(inp) if inp.is_thd else None
+        return _CudnnAttention.apply(inp.q, inp.k, inp.v, inp, plan)
+
+
+class _CudnnAttention(torch.autograd.Function):
+    """One functional cuDNN call per policy; rows are combined (and gaps zeroed) by owner."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, inp: AttentionInputs, plan: Optional[VarlenPlan]):
+        results = [(call, *ops.cudnn_fwd(q, k, v, *_cudnn_args(inp, plan, call))) for call in _cudnn_calls(inp, plan)]
+        owner = _cudnn_owner_q(inp, plan)
+        out = combine_rows(owner, [(call.policy, o) for call, o, _ in results])
+        ctx.inp, ctx.plan = inp, plan
+        ctx.save_for_backward(q, k, v, out, *[s for _, _, s in results])
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, *stats = ctx.saved_tensors
+        inp, plan = ctx.inp, ctx.plan
+        det = torch.are_deterministic_algorithms_enabled()
+        grads = [(call, *ops.cudnn_bwd(dout, q, k, v, out, st, *_cudnn_args(inp, plan, call), det))
+                 for call, st in zip(_cudnn_calls(inp, plan), stats)]
+        owner_q = _cudnn_owner_q(inp, plan)
+        owner_kv = plan.owner_kv if plan is not None else None
+        if plan is not None and owner_kv is None:
+            owner_kv = _row_owner(inp.packed_kv, torch.zeros(inp.packed_kv.batch_size, dtype=torch.int64, device=q.device))
+        if plan is None and inp.kv_valid is not None:
+            owner_kv = torch.where(inp.kv_valid, 0, -1)
+        dq = combine_rows(owner_q, [(c.policy, g[0]) for c, *g in grads])
+        dk = combine_rows(owner_kv, [(c.policy, g[1]) for c, *g in grads])
+        dv = combine_rows(owner_kv, [(c.policy, g[2]) for c, *g in grads])
+        return dq, dk, dv, None, None
+
+
+def _cudnn_calls(inp: AttentionInputs, plan: Optional[VarlenPlan]) -> List[VarlenCall]:
+    if plan is None:
+        return [VarlenCall(0, inp.mask, None, None)]
+    return plan.calls
+
+
+def _cudnn_owner_q(inp: AttentionInputs, plan: Optional[VarlenPlan]) -> Optional[torch.Tensor]:
+    """Rows to keep: THD rows owned by a call; dense rows that are not padding."""
+    if plan is not None:
+        if plan.owner_q is not None:
+            return plan.owner_q
+        zero = torch.zeros(inp.packed_q.batch_size, dtype=torch.int64, device=inp.q.device)
+        return _row_owner(inp.packed_q, zero)
+    if inp.q_valid is not None:
+        return torch.where(inp.q_valid, 0, -1)
+    return None
+
+
+def _cudnn_args(inp: AttentionInputs, plan: Optional[VarlenPlan], call: VarlenCall):
+    causal = call.spec.mask_type.is_causal
+    left, right = call.spec.window
+    bottom_right = call.spec.mask_type.bottom_right and call.spec.has_band
+    if plan is None:
+        b, sq, skv = inp.q.shape[0], inp.q.shape[1], inp.k.shape[1]
+        lens = (None, None)
+        if inp.q_valid is not None or inp.kv_valid is not None:
+            lens = (_dense_lengths(inp.q_valid, b, sq, inp.q.device), _dense_lengths(inp.kv_valid, b, skv, inp.q.device))
+        return (None, None, *lens, b, sq, skv, inp.softmax_scale, causal, left, right, bottom_right)
+    pq, pk = inp.packed_q, inp.packed_kv
+    len_q = call.seqused_q if call.seqused_q is not None else pq.seqlens()
+    len_kv = call.seqused_kv if call.seqused_kv is not None else pk.seqlens()
+    return (plan.offsets_q, plan.offsets_kv, len_q, len_kv, pq.batch_size, pq.max_seqlen, pk.max_seqlen,
+            inp.softmax_scale, causal, left, right, bottom_right)
+
+
+def _dense_lengths(valid: Optional[torch.Tensor], b: int, s: int, device) -> torch.Tensor:
+    if valid is None:
+        return torch.full((b,), s, dtype=torch.int32, device=device)
+    return valid.sum(dim=1, dtype=torch.int32)
+
+
+# Preference order, fastest first on the measured H200 (benchmarks/results): FA4/FA3, then
+# cuDNN, then flash-attn 2, then the unfused reference.
+BACKENDS: Tuple[type, ...] = (FlashAttentionV4, FlashAttentionV3, FusedAttention, FlashAttentionV2, UnfusedDotProductAttention)
+
+
+def backend_label(cls: type) -> str:
+    return cls.label() if issubclass(cls, FlashAttention) else cls.NAME

@@ -1,0 +1,241 @@
+"""DotProductAttention: TransformerEngine's module, with its names and argument meanings.
+
+``forward`` validates, builds the selection parameters, asks for a backend and runs it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional, Tuple, Union
+
+import torch
+import torch.utils.checkpoint
+
+from .libraries import compute_capability
+from .masks import AttnMaskType, MaskSpec, normalize_window
+from .packed_qkv import resolve_qkv
+from .params import AttentionInputs, AttentionParams, params_key
+from .per_seq_policy import SeqPolicies, from_is_causal, from_mask_type_dict
+from .thd import check_cu_seqlens, infer_pad_between_seqs, make_packed, validation_enabled
+from .utils import BACKENDS_BY_LABEL, chosen_backend_label, require_backend
+from .validation import check_bias, check_format, check_kv_channels, check_mask_and_format, check_qkv, dense_padding
+
+
+class DotProductAttention(torch.nn.Module):
+    """Scaled dot-product attention over [s,b,h,d], [b,s,h,d] or packed [t,h,d] inputs.
+
+    Output flattens heads: [s, b, h*dv], [b, s, h*dv] or [t, h*dv]. Tensor and context
+    parallelism are accepted as arguments but not implemented (a value that needs them raises
+    ``NotImplementedError``).
+    """
+
+    def __init__(
+        self,
+        num_attention_heads: int,
+        kv_channels: Union[int, Tuple[int, int]],
+        num_gqa_groups: Optional[int] = None,
+        attention_dropout: float = 0.0,
+        qkv_format: str = "sbhd",
+        attn_mask_type: str = "causal",
+        window_size: Optional[Tuple[int, int]] = None,
+        sequence_parallel: bool = False,
+        tp_size: int = 1,
+        get_rng_state_tracker: Any = None,
+        tp_group: Any = None,
+        layer_number: Optional[int] = None,
+        attention_type: str = "self",
+        cp_group: Any = None,
+        cp_global_ranks: Any = None,
+        cp_stream: Any = None,
+        cp_comm_type: str = "p2p",
+        softmax_scale: Optional[float] = None,
+        softmax_type: str = "vanilla",
+        return_max_logit: bool = False,
+    ) -> None:
+        super().__init__()
+        _reject_parallelism(sequence_parallel, tp_size, tp_group, cp_group)
+        if softmax_type != "vanilla" or return_max_logit:
+            raise NotImplementedError(f"softmax_type={softmax_type!r} / return_max_logit={return_max_logit} are not implemented; use 'vanilla' / False")
+        if not isinstance(num_attention_heads, int) or num_attention_heads <= 0:
+            raise ValueError(f"num_attention_heads must be a positive int; got {num_attention_heads!r}")
+        self.num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+        if not isinstance(self.num_gqa_groups, int) or self.num_gqa_groups <= 0 or num_attention_heads % self.num_gqa_groups:
+            raise ValueError(f"num_gqa_groups must divide num_attention_heads={num_attention_heads}; got {num_gqa_groups!r}")
+        if not 0.0 <= attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout must be in [0, 1); got {attention_dropout!r}")
+        if attention_type not in ("self", "cross"):
+            raise ValueError(f"attention_type must be 'self' or 'cross'; got {attention_type!r}")
+        self.num_attention_heads = num_attention_heads
+        self.head_dims = check_kv_channels(kv_channels)
+        self.attention_dropout = attention_dropout
+        self.qkv_format = check_format(qkv_format)
+        self.attn_mask_type = AttnMaskType.parse(attn_mask_type)
+        normalize_window(window_size, self.attn_mask_type)  # reject a contradiction early
+        # Kept as given: each call normalizes it against that call's mask type, as TE does.
+        self.window_size = window_size
+        self.attention_type = attention_type
+        self.layer_number = layer_number
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dims[0])
+
+    def forward(
+        self,
+        query_layer: Optional[torch.Tensor] = None,
+        key_layer: Optional[torch.Tensor] = None,
+        value_layer: Optional[torch.Tensor] = None,
+        attention_mask: Optional[Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]] = None,
+        qkv_format: Optional[str] = None,
+        cu_seqlens_q: Optional[torch.Tensor] = None,
+        cu_seqlens_kv: Optional[torch.Tensor] = None,
+        cu_seqlens_q_padded: Optional[torch.Tensor] = None,
+        cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
+        max_seqlen_q: Optional[int] = None,
+        max_seqlen_kv: Optional[int] = None,
+        attn_mask_type: Optional[str] = None,
+        window_size: Optional[Tuple[int, int]] = None,
+        checkpoint_core_attention: bool = False,
+        core_attention_bias_type: str = "no_bias",
+        core_attention_bias: Optional[torch.Tensor] = None,
+        alibi_slopes: Optional[torch.Tensor] = None,
+        fast_zero_fill: bool = True,
+        inference_params: Any = None,
+        pad_between_seqs: Optional[bool] = None,
+        fp8_output: bool = False,
+        *,
+        qkv_layer: Optional[torch.Tensor] = None,
+        kv_layer: Optional[torch.Tensor] = None,
+        qkv_interleave_dim: int = -3,
+        attn_mask_type_per_seq: Optional[Mapping[Any, torch.Tensor]] = None,
+        thd_sequence_is_causal: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Attention over q/k/v (separate, or declared packed via ``qkv_layer``/``kv_layer``).
+
+        ``attn_mask_type_per_seq`` / ``thd_sequence_is_causal`` give each packed sequence its own
+        mask policy (THD only); see :mod:`.per_seq_policy`.
+        """
+        if inference_params is not None or fp8_output:
+            raise NotImplementedError("inference_params (KV caching) and fp8_output are not implemented; pass None / False")
+        fmt = check_format(qkv_format if qkv_format is not None else self.qkv_format)
+        qkv = resolve_qkv(query_layer, key_layer, value_layer, qkv_layer, kv_layer, qkv_interleave_dim, fmt)
+        q, k, v = qkv.q, qkv.k, qkv.v
+        check_qkv(q, k, v, fmt, self.num_attention_heads, self.num_gqa_groups, self.head_dims)
+        if fmt == "sbhd":  # one code path: sbhd runs as a transposed bshd view
+            q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        mask = AttnMaskType.parse(attn_mask_type if attn_mask_type is not None else self.attn_mask_type)
+        mask = check_mask_and_format(mask, fmt, attention_mask, cu_seqlens_q is not None)
+        window = normalize_window(window_size if window_size is not None else self.window_size, mask)
+        inp = AttentionInputs(q, k, v, "thd" if fmt == "thd" else "bshd", MaskSpec(mask, window), self.softmax_scale,
+                              self.attention_dropout)
+        if fmt == "thd":
+            self._fill_thd(inp, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
+                           max_seqlen_q, max_seqlen_kv, pad_between_seqs, attn_mask_type_per_seq, thd_sequence_is_causal, window)
+        else:
+            _reject_per_seq(attn_mask_type_per_seq, thd_sequence_is_causal, f"qkv_format={fmt!r}")
+            inp.q_valid, inp.kv_valid, inp.arbitrary_mask = dense_padding(
+                attention_mask, mask, q.shape[0], q.shape[1], k.shape[1], cu_seqlens_q, cu_seqlens_kv, q.device)
+        self._fill_bias(inp, core_attention_bias_type, core_attention_bias, alibi_slopes)
+        run = self._select(self._params(inp, fmt, qkv.layout)).run
+        if checkpoint_core_attention and torch.is_grad_enabled():
+            out = torch.utils.checkpoint.checkpoint(run, inp, self.training, use_reentrant=False)
+        else:
+            out = run(inp, self.training)
+        return _flatten(out, fmt)
+
+    def _select(self, params: AttentionParams):
+        if torch.compiler.is_compiling():
+            return BACKENDS_BY_LABEL[chosen_backend_label(params_key(params))]
+        selection = require_backend(params)
+        self.last_selection = selection  # what ran, and why not the others (for reports)
+        return selection.backend
+
+    def _fill_thd(self, inp, cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_q, max_kv, pad_between, per_seq, is_causal, window):
+        if cu_q is None or cu_kv is None:
+            raise ValueError("qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv (int32, [batch_size+1]); got None")
+        check_cu_seqlens("cu_seqlens_q", cu_q)
+        b = cu_q.numel() - 1
+        check_cu_seqlens("cu_seqlens_kv", cu_kv, b)
+        for name, t in (("cu_seqlens_q_padded", cu_q_pad), ("cu_seqlens_kv_padded", cu_kv_pad)):
+            if t is not None:
+                check_cu_seqlens(name, t, b)
+        if pad_between is None:
+            pad_between = infer_pad_between_seqs(cu_q, cu_kv, cu_q_pad, cu_kv_pad)
+        inp.packed_q = make_packed("cu_seqlens_q", cu_q, cu_q_pad, pad_between, max_q, inp.q.shape[0])
+        inp.packed_kv = make_packed("cu_seqlens_kv", cu_kv, cu_kv_pad, pad_between, max_kv, inp.k.shape[0])
+        if validation_enabled():
+            inp.packed_q.validate_values("cu_seqlens_q")
+            inp.packed_kv.validate_values("cu_seqlens_kv")
+        inp.policies = _parse_policies(per_seq, is_causal, b, inp.q.device, window)
+        if inp.policies is not None and inp.policies.uniform_spec() is not None:
+            # A uniform policy is exactly the scalar path: one call, same results.
+            inp.mask, inp.policies = inp.policies.uniform_spec(), None
+
+    def _fill_bias(self, inp: AttentionInputs, bias_type, bias, alibi_slopes) -> None:
+        b = inp.packed_q.batch_size if inp.is_thd else inp.q.shape[0]
+        sq = inp.packed_q.max_seqlen if inp.is_thd else inp.q.shape[1]
+        skv = inp.packed_kv.max_seqlen if inp.is_thd else inp.k.shape[1]
+        inp.extras["bias_shape"] = check_bias(bias_type, bias, alibi_slopes, inp.qkv_format, b, inp.q.shape[-2], sq, skv)
+        if inp.policies is not None and (bias_type != "no_bias"):
+            raise NotImplementedError(f"core_attention_bias_type={bias_type!r} cannot be combined with per-sequence mask policies yet; use 'no_bias'")
+        inp.bias_type, inp.bias, inp.alibi_slopes = bias_type, bias, alibi_slopes
+
+    def _params(self, inp: AttentionInputs, fmt: str, layout: str) -> AttentionParams:
+        q, k, v = inp.q, inp.k, inp.v
+        cuda = q.device.type == "cuda"
+        thd = inp.is_thd
+        return AttentionParams(
+            qkv_dtype=q.dtype,
+            device_type=q.device.type,
+            compute_capability=compute_capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) if cuda else None,
+            qkv_format=fmt,
+            qkv_layout=layout,
+            batch_size=inp.packed_q.batch_size if thd else q.shape[0],
+            num_heads=q.shape[-2],
+            num_gqa_groups=k.shape[-2],
+            max_seqlen_q=inp.packed_q.max_seqlen if thd else q.shape[1],
+            max_seqlen_kv=inp.packed_kv.max_seqlen if thd else k.shape[1],
+            head_dim_qk=q.shape[-1],
+            head_dim_v=v.shape[-1],
+            attn_mask_type=inp.mask.mask_type,
+            window_size=inp.mask.window,
+            attention_dropout=self.attention_dropout,
+            core_attention_bias_type=inp.bias_type,
+            core_attention_bias_shape=inp.extras.get("bias_shape"),
+            alibi_slopes_shape=None if inp.alibi_slopes is None else tuple(inp.alibi_slopes.shape),
+            pad_between_seqs=thd and (inp.packed_q.has_gaps or inp.packed_kv.has_gaps),
+            per_seq_policies=None if inp.policies is None else inp.policies.specs,
+            shared_cu_seqlens=thd and inp.packed_q.cu_seqlens is inp.packed_kv.cu_seqlens and inp.packed_q.offsets is inp.packed_kv.offsets,
+            has_padding_mask=inp.q_valid is not None or inp.kv_valid is not None,
+            is_training=self.training,
+            requires_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+        )
+
+
+def _parse_policies(per_seq, is_causal, b: int, device, window) -> Optional[SeqPolicies]:
+    if per_seq is not None and is_causal is not None:
+        raise ValueError("pass attn_mask_type_per_seq or thd_sequence_is_causal, not both")
+    if per_seq is not None:
+        return from_mask_type_dict(per_seq, b, device, window)
+    if is_causal is not None:
+        return from_is_causal(is_causal, b, device, window)
+    return None
+
+
+def _reject_per_seq(per_seq, is_causal, what: str) -> None:
+    if per_seq is not None or is_causal is not None:
+        name = "attn_mask_type_per_seq" if per_seq is not None else "thd_sequence_is_causal"
+        raise NotImplementedError(f"{name} needs qkv_format='thd' (per-sequence policies are a packed-batch feature); got {what}")
+
+
+def _reject_parallelism(sequence_parallel, tp_size, tp_group, cp_group) -> None:
+    if sequence_parallel or tp_size != 1 or tp_group is not None:
+        raise NotImplementedError(
+            f"tensor/sequence parallelism is not implemented; got sequence_parallel={sequence_parallel}, "
+            f"tp_size={tp_size}, tp_group={'set' if tp_group is not None else None} (accepted: False, 1, None)"
+        )
+    if cp_group is not None:
+        raise NotImplementedError("context parallelism is not implemented; got a cp_group (accepted: None)")
+
+
+def _flatten(out: torch.Tensor, fmt: str) -> torch.Tensor:
+    if fmt == "sbhd":
+        out = out.transpose(0, 1)
+    return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])

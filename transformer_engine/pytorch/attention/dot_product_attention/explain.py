@@ -1,0 +1,68 @@
+"""Command line: which backend would run a configuration, and why not the others.
+
+    te-attention-backend --dtype bf16 --format thd --mask padding_causal --head-dim 128 --cc 9.0
+    python -m transformer_engine.pytorch.attention.dot_product_attention.explain --matrix
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import List, Optional
+
+import torch
+
+from .libraries import InstalledLibraries, installed_libraries
+from .masks import AttnMaskType, normalize_window
+from .params import AttentionParams
+from .utils import get_attention_backend, support_matrix_markdown
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--cc", default="9.0", help="compute capability, e.g. 9.0")
+    p.add_argument("--format", choices=["sbhd", "bshd", "thd"], default="thd")
+    p.add_argument("--mask", default="padding_causal", choices=[m.value for m in AttnMaskType])
+    p.add_argument("--window", type=int, nargs=2, default=None, metavar=("LEFT", "RIGHT"))
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--gqa-groups", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--bias", default="no_bias", choices=["no_bias", "pre_scale_bias", "post_scale_bias", "alibi"])
+    p.add_argument("--pad-between-seqs", action="store_true")
+    p.add_argument("--assume-all-libraries", action="store_true", help="pretend every GPU library is installed")
+    p.add_argument("--matrix", action="store_true", help="print the support matrix and exit")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.matrix:
+        print(support_matrix_markdown())
+        return 0
+    mask = AttnMaskType.parse(args.mask)
+    params = AttentionParams(
+        qkv_dtype=DTYPES[args.dtype],
+        device_type=args.device,
+        compute_capability=tuple(int(x) for x in args.cc.split(".")) if args.device == "cuda" else None,
+        qkv_format=args.format,
+        num_heads=args.heads,
+        num_gqa_groups=args.gqa_groups or args.heads,
+        head_dim_qk=args.head_dim,
+        head_dim_v=args.head_dim,
+        attn_mask_type=mask,
+        window_size=normalize_window(tuple(args.window) if args.window else None, mask),
+        attention_dropout=args.dropout,
+        core_attention_bias_type=args.bias,
+        pad_between_seqs=args.pad_between_seqs,
+    )
+    libs = InstalledLibraries("2", "3", "4", "1") if args.assume_all_libraries else installed_libraries()
+    print(get_attention_backend(params, libs).report())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

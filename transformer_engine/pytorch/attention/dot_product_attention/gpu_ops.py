@@ -1,0 +1,407 @@
+"""Registered custom ops around the GPU kernels, so ``torch.compile`` traces them (each has a
+shape-only fake) and CUDA graphs capture them. Libraries are imported inside the op bodies.
+
+Conventions shared by every op here: q/k/v/out are [T, H, D] (varlen, with ``cu_seqlens``
+giving physical offsets and optional ``seqused`` the valid lengths) or [B, S, H, D] (dense,
+``cu_seqlens`` None); windows are (left, right) with -1 unbounded; ``bottom_right`` aligns the
+diagonal to the last key.
+
+FlashAttention-4 ops write into caller-provided buffers: the forward into a zero-filled ``out``
+(rows the kernel skips stay exactly 0, and calls for several policies share one buffer), the
+backward into ``dq``/``dk``/``dv``. The cuDNN ops are functional.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+LIB = "te_attn"
+
+
+def _opt(w: int) -> Optional[int]:
+    return None if w < 0 else w
+
+
+# ------------------------------------------------------------------ FlashAttention 4 (flash_attn.cute)
+
+
+@torch.library.custom_op(f"{LIB}::fa4_fwd", mutates_args=("out", "lse"))
+def fa4_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_kv: Optional[torch.Tensor],
+    seqused_q: Optional[torch.Tensor],
+    seqused_kv: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+) -> None:
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    varlen = cu_seqlens_q is not None
+    _flash_attn_fwd(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_kv,
+        seqused_q=seqused_q,
+        seqused_k=seqused_kv,
+        max_seqlen_q=max_seqlen_q if varlen else None,
+        max_seqlen_k=max_seqlen_kv if varlen else None,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size_left=_opt(window_left),
+        window_size_right=_opt(window_right),
+        return_lse=True,
+        out=out,
+        lse=lse,
+    )
+
+
+@fa4_fwd.register_fake
+def _(q, k, v, out, lse, *args) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{LIB}::fa4_bwd", mutates_args=("dq", "dk", "dv"))
+def fa4_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_kv: Optional[torch.Tensor],
+    seqused_q: Optional[torch.Tensor],
+    seqused_kv: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    deterministic: bool,
+) -> None:
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    varlen = cu_seqlens_q is not None
+    _flash_attn_bwd(
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        softmax_scale,
+        causal,
+        0.0,
+        window_size_left=_opt(window_left),
+        window_size_right=_opt(window_right),
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_kv,
+        seqused_q=seqused_q,
+        seqused_k=seqused_kv,
+        max_seqlen_q=max_seqlen_q if varlen else None,
+        max_seqlen_k=max_seqlen_kv if varlen else None,
+        deterministic=deterministic,
+        dq=dq,
+        dk=dk,
+        dv=dv,
+    )
+
+
+@fa4_bwd.register_fake
+def _(dout, q, k, v, out, lse, dq, dk, dv, *args) -> None:
+    return None
+
+
+# ------------------------------------------------------------------ cuDNN (nvidia-cudnn-frontend)
+
+_UID = dict(q=1, k=2, v=3, o=4, stats=5, do=6, dq=7, dk=8, dv=9, len_q=10, len_kv=11, rq=12, rk=13, rv=14, ro=15, rdq=16, rdk=17, rdv=18, rdo=19)
+_graphs: Dict[tuple, tuple] = {}
+_graph_lock = threading.Lock()
+_handles = threading.local()
+
+
+def _handle(device: torch.device):
+    import cudnn
+
+    cache = getattr(_handles, "by_device", None)
+    if cache is None:
+        cache = _handles.by_device = {}
+    if device not in cache:
+        with torch.cuda.device(device):
+            cache[device] = cudnn.create_handle()
+    cudnn.set_stream(handle=cache[device], stream=torch.cuda.current_stream(device).cuda_stream)
+    return cache[device]
+
+
+def _desc(t: torch.Tensor, varlen: bool, s_max: int) -> Tuple[List[int], List[int]]:
+    """cuDNN's [B, H, S, D] dims and strides for a [T, H, D] (varlen) or [B, S, H, D] tensor.
+
+    Varlen batch strides are placeholders: ragged offsets give each sequence's base."""
+    if varlen:
+        st, sh, sd = t.stride()
+        return [0, t.shape[1], s_max, t.shape[2]], [s_max * st, sh, st, sd]
+    sb, ss, sh, sd = t.stride()
+    return [t.shape[0], t.shape[2], t.shape[1], t.shape[3]], [sb, sh, ss, sd]
+
+
+def _band_kwargs(causal: bool, window_left: int, window_right: int, bottom_right: bool) -> dict:
+    import cudnn
+
+    right = 0 if causal else window_right
+    return dict(
+        diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT if bottom_right else cudnn.diagonal_alignment.TOP_LEFT,
+        # cuDNN's left bound counts the diagonal itself: left = window_left + 1.
+        diagonal_band_left_bound=None if window_left < 0 else window_left + 1,
+        diagonal_band_right_bound=None if right < 0 else right,
+    )
+
+
+def _graph_tensors(g, tensors: dict, b: int, varlen: bool, s: dict) -> dict:
+    """Declare q/k/v-like graph inputs; ``tensors`` maps uid name -> (torch tensor, s_max)."""
+    import cudnn
+
+    out = {}
+    for name, (t, s_max) in tensors.items():
+        dims, strides = _desc(t, varlen, s_max)
+        if varlen:
+            dims[0] = b
+        out[name] = g.tensor(name=name, dim=dims, stride=strides, data_type=_dtype(t.dtype), uid=_UID[name])
+    if varlen or s.get("padded"):
+        for name in ("len_q", "len_kv"):
+            out[name] = g.tensor(name=name, dim=[b, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32, uid=_UID[name])
+    return out
+
+
+def _ragged(g, name: str, b: int):
+    import cudnn
+
+    return g.tensor(name=name, dim=[b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT64, uid=_UID[name])
+
+
+def _dtype(dtype: torch.dtype):
+    import cudnn
+
+    return {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16}[dtype]
+
+
+def _round64(n: int) -> int:
+    return (n + 63) // 64 * 64
+
+
+def _finish(g):
+    import cudnn
+
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans()
+    return g, g.get_workspace_size()
+
+
+def _cached(key, build):
+    hit = _graphs.get(key)
+    if hit is None:
+        with _graph_lock:
+            hit = _graphs.get(key)
+            if hit is None:
+                hit = _graphs[key] = build()
+    return hit
+
+
+def _new_graph(dtype, handle):
+    import cudnn
+
+    return cudnn.pygraph(
+        handle=handle,
+        io_data_type=_dtype(dtype),
+        intermediate_data_type=cudnn.data_type.FLOAT,
+        compute_data_type=cudnn.data_type.FLOAT,
+    )
+
+
+def _build_fwd(handle, q, k, v, o, b, sq, skv, scale, band, varlen, padded):
+    import cudnn
+
+    g = _new_graph(q.dtype, handle)
+    t = _graph_tensors(g, dict(q=(q, sq), k=(k, skv), v=(v, skv)), b, varlen, dict(padded=padded))
+    if varlen:
+        for name, rag in (("q", "rq"), ("k", "rk"), ("v", "rv")):
+            t[name].set_ragged_offset(_ragged(g, rag, b))
+    o_t, stats_t = g.sdpa(
+        name="sdpa",
+        q=t["q"],
+        k=t["k"],
+        v=t["v"],
+        generate_stats=True,
+        attn_scale=scale,
+        use_padding_mask=varlen or padded,
+        seq_len_q=t.get("len_q"),
+        seq_len_kv=t.get("len_kv"),
+        **band,
+    )
+    dims, strides = _desc(o, varlen, sq)
+    if varlen:
+        dims[0] = b
+        o_t.set_ragged_offset(_ragged(g, "ro", b))
+    o_t.set_uid(_UID["o"]).set_output(True).set_dim(dims).set_stride(strides)
+    # Stats stay dense [B, H, SQ, 1] even for THD: the backward then needs no ragged stats.
+    h = q.shape[-2]
+    stats_t.set_uid(_UID["stats"]).set_output(True).set_dim([b, h, sq, 1]).set_stride([h * sq, sq, 1, 1]).set_data_type(cudnn.data_type.FLOAT)
+    return _finish(g)
+
+
+@torch.library.custom_op(f"{LIB}::cudnn_fwd", mutates_args=())
+def cudnn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets_q: Optional[torch.Tensor],
+    offsets_kv: Optional[torch.Tensor],
+    seqlens_q: Optional[torch.Tensor],
+    seqlens_kv: Optional[torch.Tensor],
+    batch_size: int,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Returns out (like q, head dim of v) and stats [B, H, SQ, 1] float32."""
+    varlen = offsets_q is not None
+    padded = seqlens_q is not None
+    out = _alloc_out(q, v)
+    b, sq, skv = batch_size, max(max_seqlen_q, 1), max(max_seqlen_kv, 1)
+    band = _band_kwargs(causal, window_left, window_right, bottom_right)
+    handle = _handle(q.device)
+    key = ("fwd", q.dtype, b, sq, skv, q.shape[1:], k.shape[1:], v.shape[1:], q.stride(), k.stride(), v.stride(),
+           softmax_scale, tuple(sorted((n, str(x)) for n, x in band.items())), varlen, padded, q.device)
+    g, ws = _cached(key, lambda: _build_fwd(handle, q, k, v, out, b, sq, skv, softmax_scale, band, varlen, padded))
+    stats = torch.empty(b, q.shape[-2], sq, 1, dtype=torch.float32, device=q.device)
+    pack = {_UID["q"]: q, _UID["k"]: k, _UID["v"]: v, _UID["o"]: out, _UID["stats"]: stats}
+    pack.update(_lengths_pack(seqlens_q, seqlens_kv))
+    if varlen:
+        pack.update(_ragged_pack(dict(rq=(offsets_q, q), rk=(offsets_kv, k), rv=(offsets_kv, v), ro=(offsets_q, out))))
+    workspace = torch.empty(max(ws, 1), dtype=torch.uint8, device=q.device)
+    g.execute(pack, workspace, handle=handle)
+    return out, stats
+
+
+@cudnn_fwd.register_fake
+def _(q, k, v, offsets_q, offsets_kv, seqlens_q, seqlens_kv, batch_size, max_seqlen_q, *args):
+    return _alloc_out(q, v), q.new_empty(batch_size, q.shape[-2], max(max_seqlen_q, 1), 1, dtype=torch.float32)
+
+
+def _alloc_out(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+def _lengths_pack(seqlens_q, seqlens_kv) -> dict:
+    if seqlens_q is None:
+        return {}
+    return {_UID["len_q"]: seqlens_q.int().view(-1, 1, 1, 1), _UID["len_kv"]: seqlens_kv.int().view(-1, 1, 1, 1)}
+
+
+def _ragged_pack(items: dict) -> dict:
+    """Ragged offsets are int64 ELEMENT offsets: token offset times that tensor's token stride."""
+    return {_UID[name]: (offsets.long() * t.stride(0)).view(-1, 1, 1, 1) for name, (offsets, t) in items.items()}
+
+
+def _build_bwd(handle, q, k, v, o, do, dq, dk, dv, b, sq, skv, scale, band, varlen, padded, deterministic):
+    import cudnn
+
+    g = _new_graph(q.dtype, handle)
+    t = _graph_tensors(g, dict(q=(q, sq), k=(k, skv), v=(v, skv), o=(o, sq), do=(do, sq)), b, varlen, dict(padded=padded))
+    h = q.shape[-2]
+    stats = g.tensor(name="stats", dim=[b, h, sq, 1], stride=[h * sq, sq, 1, 1], data_type=cudnn.data_type.FLOAT, uid=_UID["stats"])
+    if varlen:
+        for name, rag in (("q", "rq"), ("k", "rk"), ("v", "rv"), ("o", "ro"), ("do", "rdo")):
+            t[name].set_ragged_offset(_ragged(g, rag, b))
+    # Sizes the ragged dQ accumulator; rounded up as cuDNN's own THD path does.
+    extra = dict(max_total_seq_len_q=_round64(q.shape[0]), max_total_seq_len_kv=_round64(k.shape[0])) if varlen else {}
+    dq_t, dk_t, dv_t = g.sdpa_backward(
+        name="sdpa_backward",
+        q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["do"], stats=stats,
+        attn_scale=scale,
+        use_padding_mask=varlen or padded,
+        seq_len_q=t.get("len_q"),
+        seq_len_kv=t.get("len_kv"),
+        use_deterministic_algorithm=deterministic,
+        **extra,
+        **band,
+    )
+    for name, gt, ref, s_max in (("dq", dq_t, dq, sq), ("dk", dk_t, dk, skv), ("dv", dv_t, dv, skv)):
+        dims, strides = _desc(ref, varlen, s_max)
+        if varlen:
+            dims[0] = b
+            gt.set_ragged_offset(_ragged(g, "r" + name, b))
+        gt.set_uid(_UID[name]).set_output(True).set_dim(dims).set_stride(strides)
+    return _finish(g)
+
+
+@torch.library.custom_op(f"{LIB}::cudnn_bwd", mutates_args=())
+def cudnn_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    stats: torch.Tensor,
+    offsets_q: Optional[torch.Tensor],
+    offsets_kv: Optional[torch.Tensor],
+    seqlens_q: Optional[torch.Tensor],
+    seqlens_kv: Optional[torch.Tensor],
+    batch_size: int,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+    deterministic: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    varlen = offsets_q is not None
+    padded = seqlens_q is not None
+    dout = dout.contiguous() if dout.stride() != out.stride() else dout
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    b, sq, skv = batch_size, max(max_seqlen_q, 1), max(max_seqlen_kv, 1)
+    band = _band_kwargs(causal, window_left, window_right, bottom_right)
+    handle = _handle(q.device)
+    key = ("bwd", q.dtype, b, sq, skv, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), out.stride(),
+           softmax_scale, tuple(sorted((n, str(x)) for n, x in band.items())), varlen, padded, deterministic, q.device)
+    g, ws = _cached(key, lambda: _build_bwd(handle, q, k, v, out, dout, dq, dk, dv, b, sq, skv, softmax_scale, band, varlen, padded, deterministic))
+    pack = {_UID["q"]: q, _UID["k"]: k, _UID["v"]: v, _UID["o"]: out, _UID["do"]: dout, _UID["stats"]: stats,
+            _UID["dq"]: dq, _UID["dk"]: dk, _UID["dv"]: dv}
+    pack.update(_lengths_pack(seqlens_q, seqlens_kv))
+    if varlen:
+        pack.update(_ragged_pack(dict(rq=(offsets_q, q), rk=(offsets_kv, k), rv=(offsets_kv, v), ro=(offsets_q, out),
+                                      rdo=(offsets_q, dout), rdq=(offsets_q, dq), rdk=(offsets_kv, dk), rdv=(offsets_kv, dv))))
+    workspace = torch.empty(max(ws, 1), dtype=torch.uint8, device=q.device)
+    g.execute(pack, workspace, handle=handle)
+    return dq, dk, dv
+
+
+@cudnn_bwd.register_fake
+def _(dout, q, k, v, *args):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))

@@ -1,0 +1,72 @@
+"""Which optional GPU libraries are installed, found without importing them.
+
+``import transformer_engine.pytorch`` must work with none of them present, so this module only
+asks the package metadata; a backend imports its library where it first runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class InstalledLibraries:
+    """Versions of the attention libraries (None = not installed). Tests build fakes of this."""
+
+    flash_attn_2: Optional[str] = None
+    flash_attn_3: Optional[str] = None
+    flash_attn_4: Optional[str] = None
+    cudnn_frontend: Optional[str] = None
+
+
+def _dist_version(*names: str) -> Optional[str]:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def installed_libraries() -> InstalledLibraries:
+    """Probe once per process. flash-attn-4 also installs a ``flash_attn`` package (for
+    ``flash_attn.cute``), so FA2 is recognized by its own distribution name, not the module."""
+    fa2 = _dist_version("flash-attn", "flash_attn")
+    fa3 = _dist_version("flash-attn-3", "flash_attn_3") or ("unknown" if _has_module("flash_attn_interface") else None)
+    fa4 = _dist_version("flash-attn-4", "flash_attn_4")
+    cudnn = _dist_version("nvidia-cudnn-frontend") if _has_module("cudnn") else None
+    return InstalledLibraries(flash_attn_2=fa2, flash_attn_3=fa3, flash_attn_4=fa4, cudnn_frontend=cudnn)
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_capability(device_index: int) -> tuple:
+    import torch
+
+    return tuple(torch.cuda.get_device_capability(device_index))
+
+
+def compute_capability(device_index: int) -> tuple:
+    return _compute_capability(device_index)
+
+
+def _constant_for_compile() -> None:
+    # torch.compile cannot trace the lru_cache; it may call the function once, while tracing.
+    import torch
+
+    global compute_capability
+    compute_capability = torch.compiler.assume_constant_result(compute_capability)
+
+
+_constant_for_compile()

@@ -1,0 +1,126 @@
+"""Per-sequence mask policies inside one packed (THD) batch.
+
+Two spellings reach the same object:
+
+* ``attn_mask_type_per_seq={"padding_causal": ids_a, "padding": ids_b}``: each key is a mask type
+  (or a ``(mask_type, (left, right))`` pair giving that policy its own sliding window), each
+  value a 1-D integer tensor of sequence indices on the inputs' device.
+* ``thd_sequence_is_causal``: a [B] bool tensor; shorthand for ``padding_causal`` where True and
+  ``padding`` elsewhere.
+
+Only shapes are read on the host: which sequences belong where stays on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional, Tuple, Union
+
+import torch
+
+from .masks import AttnMaskType, MaskSpec, normalize_window
+from .thd import validation_enabled
+
+PolicyKey = Union[str, AttnMaskType, Tuple[Union[str, AttnMaskType], Tuple[int, int]]]
+
+
+@dataclass(frozen=True)
+class SeqPolicies:
+    """Policies of one batch: host-side specs, and each sequence's policy index on the device.
+
+    ``maybe_nonempty[p]`` is False only when policy p is known (from a shape) to own no sequence.
+    """
+
+    specs: Tuple[MaskSpec, ...]
+    policy_of_seq: torch.Tensor
+    maybe_nonempty: Tuple[bool, ...]
+
+    def active(self) -> Tuple[int, ...]:
+        return tuple(p for p, live in enumerate(self.maybe_nonempty) if live)
+
+    def uniform_spec(self) -> Optional[MaskSpec]:
+        """The single policy every sequence follows, when shapes alone prove it."""
+        live = self.active()
+        return self.specs[live[0]] if len(live) == 1 else None
+
+    def seq_mask(self, p: int) -> torch.Tensor:
+        """[B] bool: the sequences of policy p."""
+        return self.policy_of_seq == p
+
+
+def _parse_key(key: PolicyKey, window_size) -> MaskSpec:
+    arg = "attn_mask_type_per_seq"
+    if isinstance(key, tuple):
+        if len(key) != 2:
+            raise ValueError(f"{arg} keys must be a mask type or (mask_type, (left, right)); got {key!r}")
+        mask = AttnMaskType.parse(key[0], f"{arg} key")
+        window = normalize_window(key[1], mask, f"window of {arg} key {key[0]!r}")
+    else:
+        mask = AttnMaskType.parse(key, f"{arg} key")
+        window = normalize_window(window_size, mask, f"window_size (applied to {arg} key {mask.value!r})")
+    if mask is AttnMaskType.ARBITRARY:
+        raise ValueError(f"{arg} cannot use 'arbitrary': it needs a dense attention_mask, which THD has not")
+    return MaskSpec(mask.with_padding(), window)
+
+
+def from_mask_type_dict(
+    per_seq: Mapping[PolicyKey, torch.Tensor], batch_size: int, device: torch.device, window_size
+) -> SeqPolicies:
+    """Parse ``attn_mask_type_per_seq``; counts are checked from shapes, values only in debug."""
+    arg = "attn_mask_type_per_seq"
+    if not isinstance(per_seq, Mapping) or len(per_seq) == 0:
+        raise TypeError(f"{arg} must be a non-empty dict of mask type -> 1-D tensor of sequence ids; got {per_seq!r}")
+    specs, id_tensors = [], []
+    for key, ids in per_seq.items():
+        spec = _parse_key(key, window_size)
+        if spec in specs:
+            raise ValueError(f"{arg} names the policy {spec.mask_type.value!r} with window {spec.window} twice")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise TypeError(f"{arg}[{key!r}] must be a 1-D integer tensor of sequence ids; got {_describe(ids)}")
+        if ids.device != device:
+            raise ValueError(f"{arg}[{key!r}] must be on the inputs' device {device}; got {ids.device}")
+        specs.append(spec)
+        id_tensors.append(ids)
+    total = sum(int(ids.numel()) for ids in id_tensors)
+    if total != batch_size:
+        raise ValueError(
+            f"{arg} must place each of the {batch_size} sequences in exactly one entry; its entries hold {total} ids"
+        )
+    policy_of_seq = torch.full((batch_size,), -1, dtype=torch.int64, device=device)
+    for p, ids in enumerate(id_tensors):
+        policy_of_seq.index_fill_(0, ids.long(), p)
+    if validation_enabled():
+        _validate_ids(id_tensors, policy_of_seq, batch_size)
+    return SeqPolicies(tuple(specs), policy_of_seq, tuple(ids.numel() > 0 for ids in id_tensors))
+
+
+def from_is_causal(is_causal: torch.Tensor, batch_size: int, device: torch.device, window_size) -> SeqPolicies:
+    """Parse ``thd_sequence_is_causal``: both policies may be live (telling would need a sync)."""
+    arg = "thd_sequence_is_causal"
+    if not isinstance(is_causal, torch.Tensor) or is_causal.dtype != torch.bool or is_causal.dim() != 1:
+        raise TypeError(f"{arg} must be a 1-D bool tensor, one value per sequence; got {_describe(is_causal)}")
+    if is_causal.numel() != batch_size:
+        raise ValueError(f"{arg} must hold one value per sequence ({batch_size}); got {is_causal.numel()}")
+    if is_causal.device != device:
+        raise ValueError(f"{arg} must be on the inputs' device {device}; got {is_causal.device}")
+    specs = tuple(
+        _parse_key(m, window_size) for m in (AttnMaskType.PADDING, AttnMaskType.PADDING_CAUSAL)
+    )
+    live = batch_size > 0
+    return SeqPolicies(specs, is_causal.long(), (live, live))
+
+
+def _validate_ids(id_tensors, policy_of_seq, batch_size) -> None:
+    """Debug-only (syncs): ids in range and each sequence claimed exactly once."""
+    for ids in id_tensors:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= batch_size):
+            raise ValueError(f"attn_mask_type_per_seq ids must lie in [0, {batch_size}); got {ids.tolist()}")
+    if bool((policy_of_seq < 0).any()):
+        missing = (policy_of_seq < 0).nonzero().flatten().tolist()
+        raise ValueError(f"attn_mask_type_per_seq leaves sequences {missing} without a policy (an id is repeated)")
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor of shape {tuple(x.shape)}, dtype {x.dtype}"
+    return type(x).__name__

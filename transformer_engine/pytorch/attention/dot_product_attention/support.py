@@ -1,0 +1,204 @@
+"""Support declarations as data, and the reasons a declaration rejects a configuration.
+
+Each backend states what it runs as class attributes of :class:`BackendSupport`; one method
+turns them into reasons. A reason names the field, the value seen and the values allowed, so
+the same data answers "why not FlashAttention?" and renders the README's support matrix.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import ClassVar, FrozenSet, List, Optional, Tuple
+
+import torch
+
+from .libraries import InstalledLibraries
+from .masks import AttnMaskType
+from .params import AttentionParams
+
+HALF = frozenset({torch.float16, torch.bfloat16})
+ALL_FLOAT = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
+PACKAGES = {
+    "flash_attn_2": "flash-attn (2.x)",
+    "flash_attn_3": "flash_attn_interface (FA3, the hopper build of flash-attention)",
+    "flash_attn_4": "flash-attn-4",
+    "cudnn_frontend": "nvidia-cudnn-frontend",
+}
+NON_ARBITRARY_MASKS = frozenset(m for m in AttnMaskType if m is not AttnMaskType.ARBITRARY)
+
+
+@dataclass(frozen=True)
+class Reason:
+    """Why one backend cannot run one configuration."""
+
+    field: str
+    seen: str
+    allowed: str
+
+    def __str__(self) -> str:
+        return f"{self.field}={self.seen} (supported: {self.allowed})"
+
+
+def env_enabled(name: str) -> bool:
+    """NVTE_* switches: '0' turns a backend off; anything else (or unset) leaves it on."""
+    return os.getenv(name, "1") != "0"
+
+
+class BackendSupport:
+    """Declarations shared by every backend; subclasses override the attributes they differ in.
+
+    ``NOTES`` maps a feature field to why it is unsupported; it is appended to that reason.
+    """
+
+    NAME: ClassVar[str] = "?"
+    ENV_VARS: ClassVar[Tuple[str, ...]] = ()
+    LIBRARY: ClassVar[Optional[str]] = None  # field of InstalledLibraries, None = built in
+    SUPPORTED_DEVICES: ClassVar[FrozenSet[str]] = frozenset({"cuda"})
+    SUPPORTED_DTYPES: ClassVar[FrozenSet[torch.dtype]] = HALF
+    SUPPORTED_FORMATS: ClassVar[FrozenSet[str]] = frozenset({"sbhd", "bshd", "thd"})
+    SUPPORTED_MASK_TYPES: ClassVar[FrozenSet[AttnMaskType]] = NON_ARBITRARY_MASKS
+    SUPPORTED_BIAS_TYPES: ClassVar[FrozenSet[str]] = frozenset({"no_bias"})
+    MIN_COMPUTE_CAPABILITY: ClassVar[Optional[Tuple[int, int]]] = None
+    COMPUTE_CAPABILITY_MAJORS: ClassVar[Optional[FrozenSet[int]]] = None
+    MAX_HEAD_DIM: ClassVar[int] = 256
+    HEAD_DIM_MULTIPLE: ClassVar[int] = 8
+    SUPPORTS_DROPOUT: ClassVar[bool] = False
+    SUPPORTS_WINDOW: ClassVar[bool] = True
+    SUPPORTS_PAD_BETWEEN_SEQS: ClassVar[bool] = False
+    SUPPORTS_PER_SEQ_POLICY: ClassVar[bool] = False
+    SUPPORTS_TOP_LEFT_CROSS: ClassVar[bool] = True
+    SUPPORTS_DENSE_PADDING: ClassVar[bool] = True
+    SUPPORTS_DIFFERENT_HEAD_DIM_V: ClassVar[bool] = True
+    NOTES: ClassVar[dict] = {}
+
+    @classmethod
+    def not_supported_reasons(cls, params: AttentionParams, libs: InstalledLibraries) -> List[Reason]:
+        """Every rule this configuration breaks; empty means the backend can run it."""
+        checks = (
+            cls._check_switches,
+            cls._check_library,
+            cls._check_device,
+            cls._check_dtype_format,
+            cls._check_head_dims,
+            cls._check_masks,
+            cls._check_features,
+            cls._check_special,
+        )
+        reasons: List[Reason] = []
+        for check in checks:
+            reasons.extend(check(params, libs))
+        return [cls._annotate(r) for r in reasons]
+
+    @classmethod
+    def _annotate(cls, r: Reason) -> Reason:
+        note = cls.NOTES.get(r.field)
+        return Reason(r.field, r.seen, f"{r.allowed}; {note}") if note else r
+
+    @classmethod
+    def _check_switches(cls, params, libs):
+        return [Reason(var, "0", "unset or 1 (switched off by the environment)") for var in cls.ENV_VARS if not env_enabled(var)]
+
+    @classmethod
+    def _check_library(cls, params, libs):
+        if cls.LIBRARY is None or getattr(libs, cls.LIBRARY) is not None:
+            return []
+        return [Reason("library", "not installed", f"{PACKAGES[cls.LIBRARY]} installed")]
+
+    @classmethod
+    def _check_device(cls, params, libs):
+        out = []
+        if params.device_type not in cls.SUPPORTED_DEVICES:
+            out.append(Reason("device", params.device_type, _fmt(cls.SUPPORTED_DEVICES)))
+            return out
+        cc = params.compute_capability
+        if params.device_type == "cuda" and cc is not None:
+            if cls.MIN_COMPUTE_CAPABILITY is not None and tuple(cc) < cls.MIN_COMPUTE_CAPABILITY:
+                out.append(Reason("compute_capability", f"sm{cc[0]}{cc[1]}", f">= sm{''.join(map(str, cls.MIN_COMPUTE_CAPABILITY))}"))
+            if cls.COMPUTE_CAPABILITY_MAJORS is not None and cc[0] not in cls.COMPUTE_CAPABILITY_MAJORS:
+                out.append(Reason("compute_capability", f"sm{cc[0]}{cc[1]}", "sm" + "x/sm".join(map(str, sorted(cls.COMPUTE_CAPABILITY_MAJORS))) + "x"))
+        return out
+
+    @classmethod
+    def _check_dtype_format(cls, params, libs):
+        out = []
+        if params.qkv_dtype not in cls.SUPPORTED_DTYPES:
+            out.append(Reason("qkv_dtype", str(params.qkv_dtype), _fmt(cls.SUPPORTED_DTYPES)))
+        if params.qkv_format not in cls.SUPPORTED_FORMATS:
+            out.append(Reason("qkv_format", params.qkv_format, _fmt(cls.SUPPORTED_FORMATS)))
+        return out
+
+    @classmethod
+    def _check_head_dims(cls, params, libs):
+        out = []
+        for name, d in (("head_dim_qk", params.head_dim_qk), ("head_dim_v", params.head_dim_v)):
+            if d > cls.MAX_HEAD_DIM or d % cls.HEAD_DIM_MULTIPLE:
+                out.append(Reason(name, str(d), f"multiples of {cls.HEAD_DIM_MULTIPLE} up to {cls.MAX_HEAD_DIM}"))
+        if params.head_dim_qk != params.head_dim_v and not cls.SUPPORTS_DIFFERENT_HEAD_DIM_V:
+            out.append(Reason("head_dim_v", str(params.head_dim_v), f"equal to head_dim_qk={params.head_dim_qk}"))
+        return out
+
+    @classmethod
+    def _check_masks(cls, params, libs):
+        out = []
+        for spec in params.mask_specs:
+            if spec.mask_type not in cls.SUPPORTED_MASK_TYPES:
+                out.append(Reason("attn_mask_type", spec.mask_type.value, _fmt(m.value for m in cls.SUPPORTED_MASK_TYPES)))
+            if spec.window[0] >= 0 and not cls.SUPPORTS_WINDOW:
+                out.append(Reason("window_size", str(spec.window), "(-1, -1) or (-1, 0)"))
+            top_left = spec.mask_type.is_causal and not spec.mask_type.bottom_right
+            if top_left and not cls.SUPPORTS_TOP_LEFT_CROSS and not params.same_lengths:
+                out.append(Reason("attn_mask_type", f"{spec.mask_type.value} with sq != skv possible", "bottom-right causal, or self-attention sharing cu_seqlens"))
+        if params.has_padding_mask and params.qkv_format != "thd" and not cls.SUPPORTS_DENSE_PADDING:
+            out.append(Reason("attention_mask", f"padding mask in {params.qkv_format}", "thd with cu_seqlens"))
+        return out
+
+    @classmethod
+    def _check_features(cls, params, libs):
+        out = []
+        if params.attention_dropout > 0 and params.is_training and not cls.SUPPORTS_DROPOUT:
+            out.append(Reason("attention_dropout", str(params.attention_dropout), "0.0"))
+        if params.core_attention_bias_type not in cls.SUPPORTED_BIAS_TYPES:
+            out.append(Reason("core_attention_bias_type", params.core_attention_bias_type, _fmt(cls.SUPPORTED_BIAS_TYPES)))
+        if params.pad_between_seqs and not cls.SUPPORTS_PAD_BETWEEN_SEQS:
+            out.append(Reason("pad_between_seqs", "True", "False"))
+        if params.per_seq_policies is not None and not cls.SUPPORTS_PER_SEQ_POLICY:
+            out.append(Reason("attn_mask_type_per_seq", "given", "None"))
+        if params.fp8:
+            out.append(Reason("fp8", "True", "False (FP8 attention is not implemented)"))
+        if params.context_parallel:
+            out.append(Reason("context_parallel", "True", "False (context parallelism is not implemented)"))
+        return out
+
+    @classmethod
+    def _check_special(cls, params, libs):
+        """Backend-specific rules that do not fit the attributes above."""
+        return []
+
+    @classmethod
+    def matrix_row(cls) -> dict:
+        """This declaration as one row of the README's support matrix."""
+        cc = "any" if cls.SUPPORTED_DEVICES == frozenset({"cpu", "cuda"}) else ""
+        if cls.MIN_COMPUTE_CAPABILITY:
+            cc = f">= sm{''.join(map(str, cls.MIN_COMPUTE_CAPABILITY))}"
+        if cls.COMPUTE_CAPABILITY_MAJORS:
+            cc = ", ".join(f"sm{m}x" for m in sorted(cls.COMPUTE_CAPABILITY_MAJORS))
+        masks = "all" if cls.SUPPORTED_MASK_TYPES == frozenset(AttnMaskType) else "all but arbitrary"
+        yes = lambda flag: "yes" if flag else "no"  # noqa: E731
+        return {
+            "backend": cls.NAME,
+            "devices": _fmt(cls.SUPPORTED_DEVICES),
+            "compute capability": cc or "any",
+            "dtypes": _fmt(str(d).replace("torch.", "") for d in cls.SUPPORTED_DTYPES),
+            "formats": _fmt(cls.SUPPORTED_FORMATS),
+            "masks": masks,
+            "head dim": f"<= {cls.MAX_HEAD_DIM}, multiple of {cls.HEAD_DIM_MULTIPLE}",
+            "dropout": yes(cls.SUPPORTS_DROPOUT),
+            "bias": _fmt(cls.SUPPORTED_BIAS_TYPES),
+            "pad_between_seqs": yes(cls.SUPPORTS_PAD_BETWEEN_SEQS),
+            "per-seq policy": yes(cls.SUPPORTS_PER_SEQ_POLICY),
+        }
+
+
+def _fmt(values) -> str:
+    return ", ".join(sorted(str(v) for v in values))

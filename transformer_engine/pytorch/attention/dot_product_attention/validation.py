@@ -1,0 +1,140 @@
+"""Input checks for DotProductAttention.forward: host-side facts only (shapes, dtypes, types).
+
+Each error names the argument, what it got and what it accepts.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .masks import AttnMaskType
+from .params import BIAS_TYPES, QKV_FORMATS
+from .thd import check_cu_seqlens
+
+BIAS_SHAPES = ("1hss", "b1ss", "bhss", "11ss")
+
+
+def check_format(qkv_format) -> str:
+    if qkv_format not in QKV_FORMATS:
+        raise ValueError(f"qkv_format must be one of {', '.join(QKV_FORMATS)}; got {qkv_format!r}")
+    return qkv_format
+
+
+def check_qkv(q, k, v, qkv_format: str, num_heads: int, num_gqa_groups: int, head_dims: Tuple[int, int]) -> None:
+    rank = len(qkv_format)
+    for name, t in (("query_layer", q), ("key_layer", k), ("value_layer", v)):
+        if t.dim() != rank:
+            raise ValueError(f"{name} must have rank {rank} for qkv_format={qkv_format!r}; got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise TypeError(f"query/key/value_layer must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"query/key/value_layer must be on one device; got {q.device}, {k.device}, {v.device}")
+    if q.shape[-2] != num_heads:
+        raise ValueError(f"query_layer has {q.shape[-2]} heads; num_attention_heads is {num_heads}")
+    for name, t in (("key_layer", k), ("value_layer", v)):
+        if t.shape[-2] != num_gqa_groups:
+            raise ValueError(f"{name} has {t.shape[-2]} heads; num_gqa_groups is {num_gqa_groups}")
+    if q.shape[-1] != head_dims[0] or k.shape[-1] != head_dims[0]:
+        raise ValueError(f"query/key_layer head dims are {q.shape[-1]}/{k.shape[-1]}; kv_channels says {head_dims[0]}")
+    if v.shape[-1] != head_dims[1]:
+        raise ValueError(f"value_layer head dim is {v.shape[-1]}; kv_channels says {head_dims[1]}")
+    if k.shape[:-2] != v.shape[:-2]:
+        raise ValueError(f"key_layer and value_layer must agree outside the last two dims; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if qkv_format != "thd":
+        b_axis = 0 if qkv_format == "bshd" else 1
+        if q.shape[b_axis] != k.shape[b_axis]:
+            raise ValueError(f"query_layer and key_layer batch sizes differ: {q.shape[b_axis]} vs {k.shape[b_axis]}")
+
+
+def check_mask_and_format(mask: AttnMaskType, qkv_format: str, attention_mask, has_cu_seqlens: bool) -> AttnMaskType:
+    """THD carries lengths, so its masks are the padding kinds; dense padding needs lengths."""
+    if qkv_format == "thd":
+        if mask is AttnMaskType.ARBITRARY:
+            raise ValueError("attn_mask_type='arbitrary' needs a dense attention_mask; qkv_format='thd' accepts the padding mask types")
+        if attention_mask is not None:
+            raise ValueError("attention_mask is for bshd/sbhd; with qkv_format='thd' pass cu_seqlens_q/cu_seqlens_kv instead")
+        return mask.with_padding()
+    if mask.is_padding and attention_mask is None and not has_cu_seqlens:
+        raise ValueError(
+            f"attn_mask_type={mask.value!r} with qkv_format={qkv_format!r} needs attention_mask (True = padded) "
+            f"or cu_seqlens_q/cu_seqlens_kv; got neither"
+        )
+    if attention_mask is not None and not (mask.is_padding or mask is AttnMaskType.ARBITRARY):
+        raise ValueError(
+            f"attention_mask was given but attn_mask_type={mask.value!r} ignores it; use a padding type or 'arbitrary'"
+        )
+    if mask is AttnMaskType.ARBITRARY and attention_mask is None:
+        raise ValueError("attn_mask_type='arbitrary' needs attention_mask (a bool tensor, True = masked out); got None")
+    return mask
+
+
+def dense_padding(
+    attention_mask, mask: AttnMaskType, b: int, sq: int, skv: int, cu_seqlens_q, cu_seqlens_kv, device
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(q_valid [B,SQ], kv_valid [B,SKV], arbitrary [B|1,H|1,SQ,SKV]) for a bshd/sbhd batch."""
+    if mask is AttnMaskType.ARBITRARY:
+        _check_bool("attention_mask", attention_mask, 4)
+        if attention_mask.shape[-2:] != (sq, skv):
+            raise ValueError(f"attention_mask must end in [sq, skv] = [{sq}, {skv}]; got shape {tuple(attention_mask.shape)}")
+        return None, None, attention_mask
+    if not mask.is_padding:
+        return None, None, None
+    if attention_mask is None:
+        check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, b)
+        check_cu_seqlens("cu_seqlens_kv", cu_seqlens_kv, b)
+        return _valid_from_cu(cu_seqlens_q, sq), _valid_from_cu(cu_seqlens_kv, skv), None
+    if isinstance(attention_mask, (tuple, list)):
+        if len(attention_mask) != 2:
+            raise ValueError(f"attention_mask as a tuple must be (q_mask, kv_mask); got {len(attention_mask)} items")
+        q_mask, kv_mask = attention_mask
+    else:
+        q_mask = kv_mask = attention_mask
+    for name, m, s in (("attention_mask (queries)", q_mask, sq), ("attention_mask (keys)", kv_mask, skv)):
+        _check_bool(name, m, 4)
+        if tuple(m.shape) != (b, 1, 1, s):
+            raise ValueError(f"{name} must have shape [b, 1, 1, s] = [{b}, 1, 1, {s}]; got {tuple(m.shape)}")
+    return ~q_mask.view(b, sq), ~kv_mask.view(b, skv), None
+
+
+def _valid_from_cu(cu: torch.Tensor, s: int) -> torch.Tensor:
+    lengths = (cu[1:] - cu[:-1]).view(-1, 1)
+    return torch.arange(s, device=cu.device).view(1, s) < lengths
+
+
+def _check_bool(name: str, m, rank: int) -> None:
+    if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or m.dim() != rank:
+        got = f"shape {tuple(m.shape)}, dtype {m.dtype}" if isinstance(m, torch.Tensor) else type(m).__name__
+        raise ValueError(f"{name} must be a {rank}-D bool tensor (True = masked out); got {got}")
+
+
+def check_bias(
+    bias_type: str, bias: Optional[torch.Tensor], alibi_slopes, qkv_format: str, b: int, h: int, sq: int, skv: int
+) -> Optional[str]:
+    """Validate the bias arguments; returns the bias shape string ('1hss', ...) or None."""
+    if bias_type not in BIAS_TYPES:
+        raise ValueError(f"core_attention_bias_type must be one of {', '.join(BIAS_TYPES)}; got {bias_type!r}")
+    if bias_type in ("no_bias", "alibi"):
+        if bias is not None:
+            raise ValueError(f"core_attention_bias must be None with core_attention_bias_type={bias_type!r}")
+        if alibi_slopes is not None:
+            if bias_type != "alibi":
+                raise ValueError("alibi_slopes needs core_attention_bias_type='alibi'")
+            if alibi_slopes.dtype != torch.float32 or tuple(alibi_slopes.shape) not in ((h,), (b, h)):
+                raise ValueError(f"alibi_slopes must be float32 of shape [{h}] or [{b}, {h}]; got {tuple(alibi_slopes.shape)}, {alibi_slopes.dtype}")
+        return None
+    if not isinstance(bias, torch.Tensor) or bias.dim() != 4:
+        raise ValueError(f"core_attention_bias must be a 4-D tensor with core_attention_bias_type={bias_type!r}; got {bias if bias is None else tuple(bias.shape)}")
+    bb, bh = bias.shape[:2]
+    if bb not in (1, b) or bh not in (1, h) or tuple(bias.shape[2:]) != (sq, skv):
+        raise ValueError(f"core_attention_bias must have shape [1|{b}, 1|{h}, {sq}, {skv}]; got {tuple(bias.shape)}")
+    return ("b" if bb == b and b > 1 else "1") + ("h" if bh == h and h > 1 else "1") + "ss"
+
+
+def check_kv_channels(kv_channels: Union[int, Tuple[int, int]]) -> Tuple[int, int]:
+    if isinstance(kv_channels, int) and not isinstance(kv_channels, bool) and kv_channels > 0:
+        return kv_channels, kv_channels
+    if isinstance(kv_channels, (tuple, list)) and len(kv_channels) == 2 and all(isinstance(x, int) and x > 0 for x in kv_channels):
+        return int(kv_channels[0]), int(kv_channels[1])
+    raise ValueError(f"kv_channels must be a positive int or a (qk, v) pair of them; got {kv_channels!r}")

@@ -1,0 +1,206 @@
+"""MultiheadAttention: a TE-compatible subset built on torch.nn.Linear/LayerNorm/RMSNorm.
+
+Its fused QKV projection goes to DotProductAttention as a declared packed buffer
+(``qkv_layer``, or ``kv_layer`` plus a query view), never sliced and re-detected. The sliced
+path is used only where a per-tensor op needs it (rotary embeddings) or where the packing is
+not a plain view (interleaved GQA, whose query heads sit between key and value per group).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from .dot_product_attention import DotProductAttention
+from .dot_product_attention.thd import PackedSeqs, make_packed, infer_pad_between_seqs
+
+
+class MultiheadAttention(torch.nn.Module):
+    """Self- or cross-attention with input/output projections.
+
+    ``qkv_weight_interleaved=True`` (TE's default) lays the fused projection out per key/value
+    group as [g query heads, key, value], i.e. [.., HG, G+2, D]; False concatenates
+    [all queries | all keys | all values]. ``device=None`` means CUDA when available, else CPU.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        kv_channels: Optional[int] = None,
+        attention_dropout: float = 0.1,
+        layernorm_epsilon: float = 1e-5,
+        layer_number: Optional[int] = None,
+        attn_mask_type: str = "causal",
+        window_size: Optional[Tuple[int, int]] = None,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        num_gqa_groups: Optional[int] = None,
+        sequence_parallel: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        return_bias: bool = False,
+        input_layernorm: bool = False,
+        attention_type: str = "self",
+        fuse_qkv_params: bool = False,
+        qkv_weight_interleaved: bool = True,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        device: Optional[Union[str, torch.device]] = None,
+        qkv_format: str = "sbhd",
+    ) -> None:
+        super().__init__()
+        if normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm'; got {normalization!r}")
+        if attention_type not in ("self", "cross"):
+            raise ValueError(f"attention_type must be 'self' or 'cross'; got {attention_type!r}")
+        device = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = params_dtype or torch.get_default_dtype()
+        self.h = num_attention_heads
+        self.hg = num_gqa_groups or num_attention_heads
+        self.d = kv_channels or hidden_size // num_attention_heads
+        self.attention_type, self.qkv_format, self.return_bias = attention_type, qkv_format, return_bias
+        self.fuse_qkv_params, self.interleaved = fuse_qkv_params, qkv_weight_interleaved
+        factory = dict(device=device, dtype=dtype)
+        self.layernorm = None
+        if input_layernorm:
+            norm = torch.nn.LayerNorm if normalization == "LayerNorm" else torch.nn.RMSNorm
+            self.layernorm = norm(hidden_size, eps=layernorm_epsilon, **factory)
+        q_out, kv_out = self.h * self.d, 2 * self.hg * self.d
+        if attention_type == "self" and fuse_qkv_params:
+            self.qkv = torch.nn.Linear(hidden_size, q_out + kv_out, bias=bias, **factory)
+        else:
+            self.query = torch.nn.Linear(hidden_size, q_out, bias=bias, **factory)
+            if attention_type == "cross" and fuse_qkv_params:
+                self.key_value = torch.nn.Linear(hidden_size, kv_out, bias=bias, **factory)
+            else:
+                self.key = torch.nn.Linear(hidden_size, self.hg * self.d, bias=bias, **factory)
+                self.value = torch.nn.Linear(hidden_size, self.hg * self.d, bias=bias, **factory)
+        self.proj = torch.nn.Linear(q_out, hidden_size, bias=bias, **factory)
+        self.core_attention = DotProductAttention(
+            num_attention_heads, self.d, num_gqa_groups=self.hg, attention_dropout=attention_dropout,
+            qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window_size,
+            sequence_parallel=sequence_parallel, tp_size=tp_size, tp_group=tp_group,
+            layer_number=layer_number, attention_type=attention_type,
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask=None,
+        encoder_output: Optional[torch.Tensor] = None,
+        attn_mask_type: Optional[str] = None,
+        window_size: Optional[Tuple[int, int]] = None,
+        is_first_microbatch: Optional[bool] = None,
+        checkpoint_core_attention: bool = False,
+        inference_params: Any = None,
+        rotary_pos_emb: Optional[Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]] = None,
+        core_attention_bias_type: str = "no_bias",
+        core_attention_bias: Optional[torch.Tensor] = None,
+        alibi_slopes: Optional[torch.Tensor] = None,
+        cu_seqlens_q: Optional[torch.Tensor] = None,
+        cu_seqlens_kv: Optional[torch.Tensor] = None,
+        cu_seqlens_q_padded: Optional[torch.Tensor] = None,
+        cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
+        max_seqlen_q: Optional[int] = None,
+        max_seqlen_kv: Optional[int] = None,
+        fast_zero_fill: bool = True,
+        pad_between_seqs: Optional[bool] = None,
+        **per_seq_policy,
+    ):
+        """hidden_states: [s, b, hidden] / [b, s, hidden] / [t, hidden] by ``qkv_format``.
+
+        Extra keywords (``attn_mask_type_per_seq``, ``thd_sequence_is_causal``) go to
+        DotProductAttention unchanged."""
+        if self.attention_type == "cross" and encoder_output is None:
+            raise ValueError("attention_type='cross' needs encoder_output; got None")
+        x = self.layernorm(hidden_states) if self.layernorm is not None else hidden_states
+        packed = self._project(x, encoder_output)
+        if rotary_pos_emb is not None:
+            packed = self._apply_rope(packed, rotary_pos_emb, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, pad_between_seqs)
+        ctx = self.core_attention(
+            attention_mask=attention_mask, attn_mask_type=attn_mask_type, window_size=window_size,
+            checkpoint_core_attention=checkpoint_core_attention, inference_params=inference_params,
+            core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
+            alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+            cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+            max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, fast_zero_fill=fast_zero_fill,
+            pad_between_seqs=pad_between_seqs, **packed, **per_seq_policy,
+        )
+        if self.return_bias:
+            return F.linear(ctx, self.proj.weight), self.proj.bias
+        return self.proj(ctx)
+
+    def _project(self, x: torch.Tensor, encoder_output: Optional[torch.Tensor]) -> dict:
+        """Keyword arguments for DotProductAttention: a declared packed buffer where possible."""
+        lead = x.shape[:-1]
+        h, hg, d = self.h, self.hg, self.d
+        if self.attention_type == "self" and self.fuse_qkv_params:
+            mixed = self.qkv(x)
+            if not self.interleaved:
+                if h == hg:
+                    return dict(qkv_layer=mixed.view(*lead, 3, h, d), qkv_interleave_dim=-3)
+                q = mixed[..., : h * d].view(*lead, h, d)
+                return dict(query_layer=q, kv_layer=mixed[..., h * d :].view(*lead, 2, hg, d), qkv_interleave_dim=-3)
+            grouped = mixed.view(*lead, hg, h // hg + 2, d)
+            if h == hg:
+                return dict(qkv_layer=grouped, qkv_interleave_dim=-2)
+            # Interleaved GQA: the query heads of a group are not one strided view; copy them only.
+            q = grouped[..., : h // hg, :].reshape(*lead, h, d)
+            return dict(query_layer=q, kv_layer=grouped[..., h // hg :, :], qkv_interleave_dim=-2)
+        q = self.query(x).view(*lead, h, d)
+        source = encoder_output if self.attention_type == "cross" else x
+        kv_lead = source.shape[:-1]
+        if hasattr(self, "key_value"):
+            kv = self.key_value(source)
+            shape = (*kv_lead, hg, 2, d) if self.interleaved else (*kv_lead, 2, hg, d)
+            return dict(query_layer=q, kv_layer=kv.view(shape), qkv_interleave_dim=-2 if self.interleaved else -3)
+        return dict(query_layer=q, key_layer=self.key(source).view(*kv_lead, hg, d), value_layer=self.value(source).view(*kv_lead, hg, d))
+
+    def _apply_rope(self, packed: dict, rope, cu_q, cu_kv, cu_q_pad, cu_kv_pad, pad_between) -> dict:
+        """Rotary embeddings act on q and k separately, so this is the sliced path."""
+        q, k, v = _split(packed)
+        q_freqs, k_freqs = rope if isinstance(rope, tuple) else (rope, rope)
+        if self.qkv_format == "thd":
+            if pad_between is None:
+                pad_between = infer_pad_between_seqs(cu_q, cu_kv, cu_q_pad, cu_kv_pad)
+            q_pos = _positions(make_packed("cu_seqlens_q", cu_q, cu_q_pad, pad_between, 0, q.shape[0]))
+            k_pos = _positions(make_packed("cu_seqlens_kv", cu_kv, cu_kv_pad, pad_between, 0, k.shape[0]))
+        else:
+            q_pos = k_pos = None
+        return dict(query_layer=apply_rotary_pos_emb(q, q_freqs, self.qkv_format, q_pos),
+                    key_layer=apply_rotary_pos_emb(k, k_freqs, self.qkv_format, k_pos), value_layer=v)
+
+
+def _split(packed: dict):
+    if "qkv_layer" in packed:
+        t, dim = packed["qkv_layer"], packed["qkv_interleave_dim"]
+        return tuple(t.select(dim, i) for i in range(3))
+    if "kv_layer" in packed:
+        t, dim = packed["kv_layer"], packed["qkv_interleave_dim"]
+        return (packed["query_layer"], t.select(dim, 0), t.select(dim, 1))
+    return packed["query_layer"], packed["key_layer"], packed["value_layer"]
+
+
+def _positions(p: PackedSeqs) -> torch.Tensor:
+    """Position of each token row within its sequence (0 on rows outside any sequence)."""
+    seq = p.token_seq_ids().clamp(0, max(p.batch_size - 1, 0))
+    rows = torch.arange(p.total_tokens, device=p.offsets.device)
+    return torch.where(p.token_valid(), rows - p.offsets.long()[seq], 0) if p.batch_size else rows * 0
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, fmt: str, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rotate-half RoPE on the first ``freqs.shape[-1]`` channels; ``freqs`` is [S, 1, 1, R]."""
+    if fmt == "thd":
+        f = freqs[positions].view(t.shape[0], 1, -1)
+    elif fmt == "sbhd":
+        f = freqs[: t.shape[0]]
+    else:
+        f = freqs[: t.shape[1]].transpose(0, 1)
+    rot = f.shape[-1]
+    x, rest = t[..., :rot], t[..., rot:]
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    out = x * f.cos().to(t.dtype) + rotated * f.sin().to(t.dtype)
+    return torch.cat((out, rest), dim=-1)
