@@ -112,24 +112,31 @@ def fa4_direct(lengths, d, causal):
 
 
 def cudnn_direct(lengths, d, causal):
-    import cudnn.sdpa.fwd.torch_op  # noqa: F401  (registers torch.ops.cudnn.sdpa_fwd/bwd)
+    """The cuDNN graph ops alone (what FusedAttention calls), without DotProductAttention's
+    validation, selection and planning. nvidia-cudnn-frontend's own torch op is not used for
+    this: its THD backward rejected its forward's stats on this batch (shape mismatch)."""
+    import transformer_engine.pytorch.attention.dot_product_attention.gpu_ops as g_ops
 
     inputs = thd_inputs(sum(lengths), d, True)
-    c, m, scale = cu(lengths), max(lengths), d ** -0.5
+    c, m, scale, b = cu(lengths), max(lengths), d ** -0.5, len(lengths)
+    lens = c[1:] - c[:-1]
+    args = (c, c, lens, lens, b, m, m, scale, causal, -1, -1, False)
 
     class Fn(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v):
-            o, lse = torch.ops.cudnn.sdpa_fwd(q, k, v, scale, is_causal=causal, cu_seqlens_q=c, cu_seqlens_kv=c,
-                                              max_seqlen_q=m, max_seqlen_kv=m, return_lse=True)
-            ctx.save_for_backward(q, k, v, o, lse)
+            o = torch.empty_like(q)
+            stats = torch.empty(g_ops.stats_shape(q, b, m), dtype=torch.float32, device="cuda")
+            torch.ops.te_attn.cudnn_fwd(q, k, v, o, stats, *args)
+            ctx.save_for_backward(q, k, v, o, stats)
             return o
 
         @staticmethod
-        def backward(ctx, g):
-            q, k, v, o, lse = ctx.saved_tensors
-            return torch.ops.cudnn.sdpa_bwd(g.contiguous(), q, k, v, o, lse, scale, is_causal=causal, cu_seqlens_q=c,
-                                            cu_seqlens_kv=c, max_seqlen_q=m, max_seqlen_kv=m)
+        def backward(ctx, grad):
+            q, k, v, o, stats = ctx.saved_tensors
+            dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+            torch.ops.te_attn.cudnn_bwd(grad.contiguous(), q, k, v, o, stats, dq, dk, dv, *args, False)
+            return dq, dk, dv
 
     return (lambda: Fn.apply(*inputs)), inputs
 
@@ -213,7 +220,8 @@ def regroup(per_seq):
         for mask, ids in per_seq.items():
             lengths = (c[ids + 1] - c[ids]).tolist()  # host sync, as the upstream proposal did
             rows = torch.cat([torch.arange(int(c[i]), int(c[i]) + n, device="cuda") for i, n in zip(ids.tolist(), lengths)])
-            part = dpa(*(t.index_select(0, rows) for t in inputs), cu_seqlens_q=cu(lengths), cu_seqlens_kv=cu(lengths),
+            c_part = cu(lengths)
+            part = dpa(*(t.index_select(0, rows) for t in inputs), cu_seqlens_q=c_part, cu_seqlens_kv=c_part,
                        max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths), attn_mask_type=mask)
             out = out.index_copy(0, rows, part)
         return out
@@ -275,8 +283,10 @@ def plot(rows, path):
     sel = [r for r in rows if r["section"] in ("uniform", "dense")]
     labels = [f"{r['batch']} d{r['head_dim']} {r['mask'].replace('padding_', '').replace('padding', 'full')}\n{r['what']}" for r in sel]
     fig, ax = plt.subplots(figsize=(10, max(4, 0.22 * len(sel))))
-    colors = ["tab:blue" if "FA4" in r["what"] else "tab:green" for r in sel]
-    ax.barh(range(len(sel)), [r["tflops"] for r in sel], color=colors, alpha=[0.5 if "direct" in r["what"] else 1.0 for r in sel][0])
+    # Light bars: the library called directly; dark bars: the same through DotProductAttention.
+    palette = {("FA4", True): "lightsteelblue", ("FA4", False): "tab:blue", ("cuDNN", True): "lightgreen", ("cuDNN", False): "tab:green"}
+    colors = [palette[(r["what"].split()[0], "direct" in r["what"])] for r in sel]
+    ax.barh(range(len(sel)), [r["tflops"] for r in sel], color=colors)
     ax.set_yticks(range(len(sel)), labels, fontsize=5)
     ax.invert_yaxis()
     ax.set_xlabel("TFLOP/s (bf16, causal counted as half)")

@@ -11,7 +11,7 @@ import torch
 
 from transformer_engine.pytorch import DotProductAttention
 
-from .gpu_helpers import GPU_BACKENDS, grads_of, rel_err, run_on
+from .gpu_helpers import GPU_BACKENDS, check_graph_replay, grads_of, rel_err, run_on
 from .packing import make_thd
 from .reference import reference_thd
 
@@ -166,33 +166,30 @@ def test_gpu_parity(label, name, gaps, hg, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("label", list(GPU_BACKENDS))
-def test_gpu_no_sync_and_cuda_graph(label):
-    """Mixed policies with gaps, forward+backward: no sync (sync debug mode 'error'), and the
-    same step captured in a CUDA graph replays to the eager result."""
+def test_gpu_cuda_graph(label):
+    """Mixed policies with gaps, forward+backward, captured in a CUDA graph and replayed on new
+    values."""
     p = make_thd(GPU_LENGTHS, gaps_q=GPU_GAPS, h=H, d=128, dtype=torch.bfloat16, device="cuda")
     dpa = DotProductAttention(H, 128, qkv_format="thd", attn_mask_type="padding")
     kwargs = dict(p.kwargs(True, 512, 512, shared=True), thd_sequence_is_causal=torch.tensor([1, 0, 1, 0, 1, 0], dtype=torch.bool, device="cuda"))
-    q, k, v = (t.detach().clone().requires_grad_() for t in (p.q, p.k, p.v))
-    g = torch.randn(q.shape[0], H * 128, device="cuda", dtype=torch.bfloat16)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up on a side stream (JIT, cuDNN plans), as capture needs
-        for _ in range(2):
-            run_on(label, dpa, q, k, v, **kwargs).backward(g)
-    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.randn(p.q.shape[0], H * 128, device="cuda", dtype=torch.bfloat16)
+    check_graph_replay(label, dpa, [p.q, p.k, p.v], kwargs, g)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label", list(GPU_BACKENDS))
+def test_gpu_no_host_sync(label):
+    """Mixed policies with gaps, forward+backward, under set_sync_debug_mode('error')."""
+    p = make_thd(GPU_LENGTHS, gaps_q=GPU_GAPS, h=H, d=128, dtype=torch.bfloat16, device="cuda")
+    dpa = DotProductAttention(H, 128, qkv_format="thd", attn_mask_type="padding")
+    policies = {"padding_causal": _ids(0, 2, 4, device="cuda"), ("padding", (64, 64)): _ids(1, 3, 5, device="cuda")}
+    kwargs = dict(p.kwargs(True, 512, 512, shared=True), attn_mask_type_per_seq=policies)
+    g = torch.randn(p.q.shape[0], H * 128, device="cuda", dtype=torch.bfloat16)
+    run_on(label, dpa, p.q, p.k, p.v, **kwargs).backward(g)  # warm-up: JIT and plans may sync
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        eager = run_on(label, dpa, q, k, v, **kwargs)
-        eager.backward(g)
+        run_on(label, dpa, p.q, p.k, p.v, **kwargs).backward(g)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    eager_dq = q.grad.clone()
-    q.grad = k.grad = v.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run_on(label, dpa, q, k, v, **kwargs)
-        out.backward(g)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert rel_err(out, eager) < 1e-3 and rel_err(q.grad, eager_dq) < 1e-3
+    assert torch.isfinite(p.q.grad).all()

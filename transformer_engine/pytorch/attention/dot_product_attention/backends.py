@@ -11,7 +11,6 @@ between sequences, the tail, other policies' rows) come out exactly 0, forward a
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import ClassVar, List, Optional, Sequence, Tuple
 
@@ -42,67 +41,45 @@ class VarlenCall:
 
 @dataclass
 class VarlenPlan:
-    """How a packed batch maps onto varlen kernel calls.
-
-    ``owner_q``/``owner_kv`` ([T] int64) give each row's policy, -1 on rows no sequence owns;
-    None when every row is written by the single call (no gaps, one policy).
-    """
+    """How a packed batch maps onto varlen kernel calls: physical offsets and one call per live
+    policy (the other policies' sequences get length 0)."""
 
     offsets_q: torch.Tensor
     offsets_kv: torch.Tensor
     calls: List[VarlenCall]
-    owner_q: Optional[torch.Tensor]
-    owner_kv: Optional[torch.Tensor]
-    has_gaps: bool = False
-
-    @property
-    def needs_row_mask(self) -> bool:
-        return self.owner_q is not None
-
-    def sanitized(self, q, k, v):
-        """q/k/v with gap rows zeroed, when the batch has gaps.
-
-        FlashAttention loads whole tiles, so rows just past a sequence (its gap) enter the
-        matrix products with probability 0, and 0 * NaN = NaN: a NaN in a gap would leak into
-        valid rows. One ``where`` per tensor stops that; NVTE_FLASH_ATTN_SANITIZE_GAPS=0 skips it
-        for callers whose gap rows are known to be finite."""
-        if not self.has_gaps or os.getenv("NVTE_FLASH_ATTN_SANITIZE_GAPS", "1") == "0":
-            return q, k, v
-        keep_q, keep_kv = (o.view(-1, 1, 1) >= 0 for o in (self.owner_q, self.owner_kv))
-        zero = torch.zeros((), dtype=q.dtype, device=q.device)
-        return torch.where(keep_q, q, zero), torch.where(keep_kv, k, zero), torch.where(keep_kv, v, zero)
+    # True when some rows belong to no call's sequences: gaps, or other policies' rows.
+    skips_rows: bool
 
 
 def plan_varlen(inp: AttentionInputs) -> VarlenPlan:
     pq, pk = inp.packed_q, inp.packed_kv
     policies = inp.policies
     spec = inp.mask if policies is None else policies.uniform_spec()
+    gaps = pq.has_gaps or pk.has_gaps
     if spec is not None:
-        if not (pq.has_gaps or pk.has_gaps):
-            return VarlenPlan(pq.cu_seqlens, pk.cu_seqlens, [VarlenCall(0, spec, None, None)], None, None)
-        zero = torch.zeros(pq.batch_size, dtype=torch.int64, device=pq.offsets.device)
-        call = VarlenCall(0, spec, pq.seqlens(), pk.seqlens())
-        return VarlenPlan(pq.offsets, pk.offsets, [call], _row_owner(pq, zero), _row_owner(pk, zero), True)
-    calls = []
+        if not gaps:
+            return VarlenPlan(pq.cu_seqlens, pk.cu_seqlens, [VarlenCall(0, spec, None, None)], False)
+        return VarlenPlan(pq.offsets, pk.offsets, [VarlenCall(0, spec, pq.seqlens(), pk.seqlens())], True)
     len_q, len_kv = pq.seqlens(), pk.seqlens()
+    calls = []
     for p in policies.active():
         mine = policies.seq_mask(p)
         calls.append(VarlenCall(p, policies.specs[p], torch.where(mine, len_q, 0), torch.where(mine, len_kv, 0)))
-    owner = policies.policy_of_seq
-    return VarlenPlan(pq.offsets, pk.offsets, calls, _row_owner(pq, owner), _row_owner(pk, owner), pq.has_gaps or pk.has_gaps)
+    return VarlenPlan(pq.offsets, pk.offsets, calls, True)
 
 
-def _row_owner(p: PackedSeqs, seq_policy: torch.Tensor) -> torch.Tensor:
+def row_owner(p: PackedSeqs, seq_policy: Optional[torch.Tensor]) -> torch.Tensor:
+    """[T] int64: the policy of each row's sequence (0 without policies), -1 where no sequence lives."""
     if p.batch_size == 0:
         return torch.full((p.total_tokens,), -1, dtype=torch.int64, device=p.offsets.device)
+    if seq_policy is None:
+        seq_policy = torch.zeros(p.batch_size, dtype=torch.int64, device=p.offsets.device)
     seq = p.token_seq_ids().clamp(0, p.batch_size - 1)
     return torch.where(p.token_valid(), seq_policy[seq], -1)
 
 
-def combine_rows(owner: Optional[torch.Tensor], parts: Sequence[Tuple[int, torch.Tensor]]) -> torch.Tensor:
+def combine_rows(owner: torch.Tensor, parts: Sequence[Tuple[int, torch.Tensor]]) -> torch.Tensor:
     """Row r of the result is row r of the part whose policy owns it; unowned rows are 0."""
-    if owner is None:
-        return parts[0][1]
     view = tuple(owner.shape) + (1,) * (parts[0][1].dim() - owner.dim())
     result = torch.zeros((), dtype=parts[0][1].dtype, device=parts[0][1].device)
     for policy, part in parts:
@@ -113,7 +90,8 @@ def combine_rows(owner: Optional[torch.Tensor], parts: Sequence[Tuple[int, torch
 class _MaskRowGrad(torch.autograd.Function):
     """Identity forward; the backward keeps only rows where ``keep`` is True (others exactly 0).
 
-    Used around libraries with their own autograd that leave skipped gradient rows unwritten."""
+    Used around libraries with their own autograd, which allocate gradients without zeroing
+    the rows they skip."""
 
     @staticmethod
     def forward(ctx, x, keep):
@@ -132,6 +110,38 @@ def fa_mask_args(spec: MaskSpec) -> Tuple[bool, int, int]:
     if spec.mask_type.is_causal and left < 0:
         return True, -1, -1
     return False, left, right
+
+
+class _KernelAttention(torch.autograd.Function):
+    """FA4 and cuDNN, through their custom ops.
+
+    Both kernels leave the rows they skip unwritten, in the forward and in dQ/dK/dV (measured:
+    benchmarks/results/2026-12-02-h200/probe.log). So every call of a batch writes its own rows
+    of one zero-filled buffer: gaps, the tail and other policies' rows stay exactly 0 and no
+    pass combines or masks rows afterwards. The GPU tests assert those zeros."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernel, inp: AttentionInputs, plan: Optional[VarlenPlan]):
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+        stats = kernel.new_stats(q, inp, plan)
+        for call in _calls(inp, plan):
+            kernel.forward(q, k, v, out, stats, inp, plan, call)
+        ctx.kernel, ctx.inp, ctx.plan = kernel, inp, plan
+        ctx.save_for_backward(q, k, v, out, stats)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, stats = ctx.saved_tensors
+        dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        dout = dout if dout.stride() == out.stride() else dout.contiguous()
+        for call in _calls(ctx.inp, ctx.plan):
+            ctx.kernel.backward(dout, q, k, v, out, stats, dq, dk, dv, ctx.inp, ctx.plan, call)
+        return dq, dk, dv, None, None, None
+
+
+def _calls(inp: AttentionInputs, plan: Optional[VarlenPlan]) -> List[VarlenCall]:
+    return plan.calls if plan is not None else [VarlenCall(0, inp.mask, None, None)]
 
 
 # ---------------------------------------------------------------------------------- backends
@@ -200,56 +210,34 @@ class FlashAttentionV4(FlashAttention):
 
     @staticmethod
     def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
-        if not inp.is_thd:
-            return _FA4Attention.apply(inp.q, inp.k, inp.v, inp, None)
-        plan = plan_varlen(inp)
-        return _FA4Attention.apply(inp.q, inp.k, inp.v, inp, plan)
+        plan = plan_varlen(inp) if inp.is_thd else None
+        return _KernelAttention.apply(inp.q, inp.k, inp.v, _FA4Kernel, inp, plan)
 
 
-class _FA4Attention(torch.autograd.Function):
-    """Forward: every call writes its own rows of one zero-filled output (no combine pass).
-    Backward: FA4 writes NaN into dQ/dK rows of sequences it skips, so each call gets its own
-    gradient buffers and one ``where`` per tensor keeps each row from its owner's call."""
+class _FA4Kernel:
+    """Argument translation for flash_attn.cute (FA4): physical offsets as cu_seqlens, valid
+    lengths as seqused_q/k; the log-sum-exp is [H, T] (varlen) or [B, H, S] (dense)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, inp: AttentionInputs, plan: Optional[VarlenPlan]):
-        if plan is not None:
-            q, k, v = plan.sanitized(q, k, v)
-        out = q.new_zeros(*q.shape[:-1], v.shape[-1])
-        h = q.shape[-2]
-        lse_shape = (h, q.shape[0]) if plan is not None else (q.shape[0], h, q.shape[1])
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-        calls = plan.calls if plan is not None else [VarlenCall(0, inp.mask, None, None)]
-        for call in calls:
-            ops.fa4_fwd(q, k, v, out, lse, *_fa4_varlen_args(inp, plan, call), inp.softmax_scale, *fa_mask_args(call.spec))
-        ctx.inp, ctx.plan = inp, plan
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
+    def new_stats(q, inp: AttentionInputs, plan) -> torch.Tensor:
+        shape = (q.shape[-2], q.shape[0]) if plan is not None else (q.shape[0], q.shape[2], q.shape[1])
+        return torch.empty(shape, dtype=torch.float32, device=q.device)
 
     @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        inp, plan = ctx.inp, ctx.plan
-        calls = plan.calls if plan is not None else [VarlenCall(0, inp.mask, None, None)]
-        grads = []
-        for call in calls:
-            dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
-            ops.fa4_bwd(dout.contiguous(), q, k, v, out, lse, dq, dk, dv, *_fa4_varlen_args(inp, plan, call),
-                        inp.softmax_scale, *fa_mask_args(call.spec), torch.are_deterministic_algorithms_enabled())
-            grads.append((call.policy, dq, dk, dv))
-        if plan is None or not plan.needs_row_mask:
-            return grads[0][1], grads[0][2], grads[0][3], None, None
-        dq = combine_rows(plan.owner_q, [(p, g[0]) for p, *g in grads])
-        dk = combine_rows(plan.owner_kv, [(p, g[1]) for p, *g in grads])
-        dv = combine_rows(plan.owner_kv, [(p, g[2]) for p, *g in grads])
-        return dq, dk, dv, None, None
+    def forward(q, k, v, out, lse, inp, plan, call) -> None:
+        ops.fa4_fwd(q, k, v, out, lse, *_FA4Kernel._varlen(inp, plan, call), inp.softmax_scale, *fa_mask_args(call.spec))
 
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, dq, dk, dv, inp, plan, call) -> None:
+        ops.fa4_bwd(dout, q, k, v, out, lse, dq, dk, dv, *_FA4Kernel._varlen(inp, plan, call), inp.softmax_scale,
+                    *fa_mask_args(call.spec), torch.are_deterministic_algorithms_enabled())
 
-def _fa4_varlen_args(inp: AttentionInputs, plan: Optional[VarlenPlan], call: VarlenCall):
-    if plan is None:
-        return None, None, None, None, inp.q.shape[1], inp.k.shape[1]
-    return (plan.offsets_q, plan.offsets_kv, call.seqused_q, call.seqused_kv,
-            inp.packed_q.max_seqlen, inp.packed_kv.max_seqlen)
+    @staticmethod
+    def _varlen(inp: AttentionInputs, plan: Optional[VarlenPlan], call: VarlenCall):
+        if plan is None:
+            return None, None, None, None, inp.q.shape[1], inp.k.shape[1]
+        return (plan.offsets_q, plan.offsets_kv, call.seqused_q, call.seqused_kv,
+                inp.packed_q.max_seqlen, inp.packed_kv.max_seqlen)
 
 
 class FlashAttentionV3(FlashAttention):
@@ -315,10 +303,7 @@ class FlashAttentionV2(FlashAttention):
                                                      inp.packed_kv.max_seqlen, **kwargs)
 
         # No gaps here (declared unsupported), but rows past cu_seqlens[-1] are left unwritten.
-        plan = plan_varlen(inp)
-        zero = torch.zeros(inp.packed_q.batch_size, dtype=torch.int64, device=inp.q.device)
-        plan.owner_q, plan.owner_kv = _row_owner(inp.packed_q, zero), _row_owner(inp.packed_kv, zero)
-        return _run_library_varlen(inp, plan, call_fn)
+        return _run_library_varlen(inp, plan_varlen(inp), call_fn)
 
 
 def _fa2_alibi(inp: AttentionInputs):
@@ -335,17 +320,18 @@ def _first(result):
 
 
 def _run_library_varlen(inp: AttentionInputs, plan: VarlenPlan, call_fn) -> torch.Tensor:
-    """For libraries with their own autograd: each call sees inputs whose gradient keeps only
-    that call's rows, and the outputs are combined row by row."""
+    """For libraries with their own autograd, which allocate outputs and gradients themselves
+    (skipped rows, the tail included, hold garbage): each call sees inputs whose gradient keeps
+    only that call's rows, and the outputs are combined row by row."""
+    seq_policy = inp.policies.policy_of_seq if inp.policies is not None else None
+    owner_q, owner_kv = row_owner(inp.packed_q, seq_policy), row_owner(inp.packed_kv, seq_policy)
     parts = []
     for call in plan.calls:
-        q, k, v = inp.q, inp.k, inp.v
-        if plan.needs_row_mask:
-            q = _MaskRowGrad.apply(q, plan.owner_q == call.policy)
-            k = _MaskRowGrad.apply(k, plan.owner_kv == call.policy)
-            v = _MaskRowGrad.apply(v, plan.owner_kv == call.policy)
+        q = _MaskRowGrad.apply(inp.q, owner_q == call.policy)
+        k = _MaskRowGrad.apply(inp.k, owner_kv == call.policy)
+        v = _MaskRowGrad.apply(inp.v, owner_kv == call.policy)
         parts.append((call.policy, call_fn(q, k, v, inp, plan, call)))
-    return combine_rows(plan.owner_q, parts)
+    return combine_rows(owner_q, parts)
 
 
 class FusedAttention(BackendSupport):
@@ -373,73 +359,43 @@ class FusedAttention(BackendSupport):
     @staticmethod
     def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
         plan = plan_varlen(inp) if inp.is_thd else None
-        return _CudnnAttention.apply(inp.q, inp.k, inp.v, inp, plan)
+        return _KernelAttention.apply(inp.q, inp.k, inp.v, _CudnnKernel, inp, plan)
 
 
-class _CudnnAttention(torch.autograd.Function):
-    """One functional cuDNN call per policy; rows are combined (and gaps zeroed) by owner."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, inp: AttentionInputs, plan: Optional[VarlenPlan]):
-        results = [(call, *ops.cudnn_fwd(q, k, v, *_cudnn_args(inp, plan, call))) for call in _cudnn_calls(inp, plan)]
-        owner = _cudnn_owner_q(inp, plan)
-        out = combine_rows(owner, [(call.policy, o) for call, o, _ in results])
-        ctx.inp, ctx.plan = inp, plan
-        ctx.save_for_backward(q, k, v, out, *[s for _, _, s in results])
-        return out
+class _CudnnKernel:
+    """Argument translation for the cuDNN graph ops: ragged offsets from the physical offsets,
+    per-sequence lengths from the valid ones; stats are [B, H, SQ, 1] float32."""
 
     @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, *stats = ctx.saved_tensors
-        inp, plan = ctx.inp, ctx.plan
-        det = torch.are_deterministic_algorithms_enabled()
-        grads = [(call, *ops.cudnn_bwd(dout, q, k, v, out, st, *_cudnn_args(inp, plan, call), det))
-                 for call, st in zip(_cudnn_calls(inp, plan), stats)]
-        owner_q = _cudnn_owner_q(inp, plan)
-        owner_kv = plan.owner_kv if plan is not None else None
-        if plan is not None and owner_kv is None:
-            owner_kv = _row_owner(inp.packed_kv, torch.zeros(inp.packed_kv.batch_size, dtype=torch.int64, device=q.device))
-        if plan is None and inp.kv_valid is not None:
-            owner_kv = torch.where(inp.kv_valid, 0, -1)
-        dq = combine_rows(owner_q, [(c.policy, g[0]) for c, *g in grads])
-        dk = combine_rows(owner_kv, [(c.policy, g[1]) for c, *g in grads])
-        dv = combine_rows(owner_kv, [(c.policy, g[2]) for c, *g in grads])
-        return dq, dk, dv, None, None
+    def new_stats(q, inp: AttentionInputs, plan) -> torch.Tensor:
+        b, sq = (inp.packed_q.batch_size, inp.packed_q.max_seqlen) if plan is not None else (q.shape[0], q.shape[1])
+        return torch.empty(gpu_ops.stats_shape(q, b, sq), dtype=torch.float32, device=q.device)
 
+    @staticmethod
+    def forward(q, k, v, out, stats, inp, plan, call) -> None:
+        ops.cudnn_fwd(q, k, v, out, stats, *_CudnnKernel._args(inp, plan, call))
 
-def _cudnn_calls(inp: AttentionInputs, plan: Optional[VarlenPlan]) -> List[VarlenCall]:
-    if plan is None:
-        return [VarlenCall(0, inp.mask, None, None)]
-    return plan.calls
+    @staticmethod
+    def backward(dout, q, k, v, out, stats, dq, dk, dv, inp, plan, call) -> None:
+        ops.cudnn_bwd(dout, q, k, v, out, stats, dq, dk, dv, *_CudnnKernel._args(inp, plan, call),
+                      torch.are_deterministic_algorithms_enabled())
 
-
-def _cudnn_owner_q(inp: AttentionInputs, plan: Optional[VarlenPlan]) -> Optional[torch.Tensor]:
-    """Rows to keep: THD rows owned by a call; dense rows that are not padding."""
-    if plan is not None:
-        if plan.owner_q is not None:
-            return plan.owner_q
-        zero = torch.zeros(inp.packed_q.batch_size, dtype=torch.int64, device=inp.q.device)
-        return _row_owner(inp.packed_q, zero)
-    if inp.q_valid is not None:
-        return torch.where(inp.q_valid, 0, -1)
-    return None
-
-
-def _cudnn_args(inp: AttentionInputs, plan: Optional[VarlenPlan], call: VarlenCall):
-    causal = call.spec.mask_type.is_causal
-    left, right = call.spec.window
-    bottom_right = call.spec.mask_type.bottom_right and call.spec.has_band
-    if plan is None:
-        b, sq, skv = inp.q.shape[0], inp.q.shape[1], inp.k.shape[1]
-        lens = (None, None)
-        if inp.q_valid is not None or inp.kv_valid is not None:
-            lens = (_dense_lengths(inp.q_valid, b, sq, inp.q.device), _dense_lengths(inp.kv_valid, b, skv, inp.q.device))
-        return (None, None, *lens, b, sq, skv, inp.softmax_scale, causal, left, right, bottom_right)
-    pq, pk = inp.packed_q, inp.packed_kv
-    len_q = call.seqused_q if call.seqused_q is not None else pq.seqlens()
-    len_kv = call.seqused_kv if call.seqused_kv is not None else pk.seqlens()
-    return (plan.offsets_q, plan.offsets_kv, len_q, len_kv, pq.batch_size, pq.max_seqlen, pk.max_seqlen,
-            inp.softmax_scale, causal, left, right, bottom_right)
+    @staticmethod
+    def _args(inp: AttentionInputs, plan: Optional[VarlenPlan], call: VarlenCall):
+        causal = call.spec.mask_type.is_causal
+        left, right = call.spec.window
+        bottom_right = call.spec.mask_type.bottom_right and call.spec.has_band
+        if plan is None:
+            b, sq, skv = inp.q.shape[0], inp.q.shape[1], inp.k.shape[1]
+            lens = (None, None)
+            if inp.q_valid is not None or inp.kv_valid is not None:
+                lens = (_dense_lengths(inp.q_valid, b, sq, inp.q.device), _dense_lengths(inp.kv_valid, b, skv, inp.q.device))
+            return (None, None, *lens, b, sq, skv, inp.softmax_scale, causal, left, right, bottom_right)
+        pq, pk = inp.packed_q, inp.packed_kv
+        len_q = call.seqused_q if call.seqused_q is not None else pq.seqlens()
+        len_kv = call.seqused_kv if call.seqused_kv is not None else pk.seqlens()
+        return (plan.offsets_q, plan.offsets_kv, len_q, len_kv, pq.batch_size, pq.max_seqlen, pk.max_seqlen,
+                inp.softmax_scale, causal, left, right, bottom_right)
 
 
 def _dense_lengths(valid: Optional[torch.Tensor], b: int, s: int, device) -> torch.Tensor:

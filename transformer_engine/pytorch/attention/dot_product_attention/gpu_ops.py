@@ -6,9 +6,9 @@ giving physical offsets and optional ``seqused`` the valid lengths) or [B, S, H,
 ``cu_seqlens`` None); windows are (left, right) with -1 unbounded; ``bottom_right`` aligns the
 diagonal to the last key.
 
-FlashAttention-4 ops write into caller-provided buffers: the forward into a zero-filled ``out``
-(rows the kernel skips stay exactly 0, and calls for several policies share one buffer), the
-backward into ``dq``/``dk``/``dv``. The cuDNN ops are functional.
+Every op writes into caller-provided buffers (``out``/``lse``/``stats``, ``dq``/``dk``/``dv``):
+both libraries leave the rows they skip unwritten, so zero-filled buffers give exact zeros
+there, and the calls for several mask policies share one set of buffers.
 """
 
 from __future__ import annotations
@@ -269,11 +269,37 @@ def _build_fwd(handle, q, k, v, o, b, sq, skv, scale, band, varlen, padded):
     return _finish(g)
 
 
-@torch.library.custom_op(f"{LIB}::cudnn_fwd", mutates_args=())
+def _band_key(band: dict) -> tuple:
+    return tuple(sorted((n, str(x)) for n, x in band.items()))
+
+
+def _run_graph(key, build, pack: dict, device) -> None:
+    """Build (once per key) and execute a cuDNN graph on torch's current stream."""
+    handle = _handle(device)
+    g, ws = _cached(key, lambda: build(handle))
+    workspace = torch.empty(max(ws, 1), dtype=torch.uint8, device=device)
+    g.execute(pack, workspace, handle=handle)
+
+
+def _metadata_pack(seqlens_q, seqlens_kv, ragged: dict) -> dict:
+    """Per-sequence lengths, and ragged offsets (int64 ELEMENT offsets: token offset times
+    that tensor's token stride) for varlen calls."""
+    pack = {}
+    if seqlens_q is not None:
+        pack[_UID["len_q"]] = seqlens_q.int().view(-1, 1, 1, 1)
+        pack[_UID["len_kv"]] = seqlens_kv.int().view(-1, 1, 1, 1)
+    for name, (offsets, t) in ragged.items():
+        pack[_UID[name]] = (offsets.long() * t.stride(0)).view(-1, 1, 1, 1)
+    return pack
+
+
+@torch.library.custom_op(f"{LIB}::cudnn_fwd", mutates_args=("out", "stats"))
 def cudnn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    out: torch.Tensor,
+    stats: torch.Tensor,
     offsets_q: Optional[torch.Tensor],
     offsets_kv: Optional[torch.Tensor],
     seqlens_q: Optional[torch.Tensor],
@@ -286,45 +312,26 @@ def cudnn_fwd(
     window_left: int,
     window_right: int,
     bottom_right: bool,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Returns out (like q, head dim of v) and stats [B, H, SQ, 1] float32."""
-    varlen = offsets_q is not None
-    padded = seqlens_q is not None
-    out = _alloc_out(q, v)
+) -> None:
+    """Writes ``out`` (like q, head dim of v) and ``stats`` ([B, H, SQ, 1] float32)."""
+    varlen, padded = offsets_q is not None, seqlens_q is not None
     b, sq, skv = batch_size, max(max_seqlen_q, 1), max(max_seqlen_kv, 1)
     band = _band_kwargs(causal, window_left, window_right, bottom_right)
-    handle = _handle(q.device)
     key = ("fwd", q.dtype, b, sq, skv, q.shape[1:], k.shape[1:], v.shape[1:], q.stride(), k.stride(), v.stride(),
-           softmax_scale, tuple(sorted((n, str(x)) for n, x in band.items())), varlen, padded, q.device)
-    g, ws = _cached(key, lambda: _build_fwd(handle, q, k, v, out, b, sq, skv, softmax_scale, band, varlen, padded))
-    stats = torch.empty(b, q.shape[-2], sq, 1, dtype=torch.float32, device=q.device)
+           out.stride(), softmax_scale, _band_key(band), varlen, padded, q.device)
     pack = {_UID["q"]: q, _UID["k"]: k, _UID["v"]: v, _UID["o"]: out, _UID["stats"]: stats}
-    pack.update(_lengths_pack(seqlens_q, seqlens_kv))
-    if varlen:
-        pack.update(_ragged_pack(dict(rq=(offsets_q, q), rk=(offsets_kv, k), rv=(offsets_kv, v), ro=(offsets_q, out))))
-    workspace = torch.empty(max(ws, 1), dtype=torch.uint8, device=q.device)
-    g.execute(pack, workspace, handle=handle)
-    return out, stats
+    ragged = dict(rq=(offsets_q, q), rk=(offsets_kv, k), rv=(offsets_kv, v), ro=(offsets_q, out)) if varlen else {}
+    pack.update(_metadata_pack(seqlens_q, seqlens_kv, ragged))
+    _run_graph(key, lambda h: _build_fwd(h, q, k, v, out, b, sq, skv, softmax_scale, band, varlen, padded), pack, q.device)
 
 
 @cudnn_fwd.register_fake
-def _(q, k, v, offsets_q, offsets_kv, seqlens_q, seqlens_kv, batch_size, max_seqlen_q, *args):
-    return _alloc_out(q, v), q.new_empty(batch_size, q.shape[-2], max(max_seqlen_q, 1), 1, dtype=torch.float32)
+def _(q, k, v, out, stats, *args) -> None:
+    return None
 
 
-def _alloc_out(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return q.new_empty(*q.shape[:-1], v.shape[-1])
-
-
-def _lengths_pack(seqlens_q, seqlens_kv) -> dict:
-    if seqlens_q is None:
-        return {}
-    return {_UID["len_q"]: seqlens_q.int().view(-1, 1, 1, 1), _UID["len_kv"]: seqlens_kv.int().view(-1, 1, 1, 1)}
-
-
-def _ragged_pack(items: dict) -> dict:
-    """Ragged offsets are int64 ELEMENT offsets: token offset times that tensor's token stride."""
-    return {_UID[name]: (offsets.long() * t.stride(0)).view(-1, 1, 1, 1) for name, (offsets, t) in items.items()}
+def stats_shape(q: torch.Tensor, batch_size: int, max_seqlen_q: int) -> Tuple[int, int, int, int]:
+    return (batch_size, q.shape[-2], max(max_seqlen_q, 1), 1)
 
 
 def _build_bwd(handle, q, k, v, o, do, dq, dk, dv, b, sq, skv, scale, band, varlen, padded, deterministic):
@@ -359,7 +366,7 @@ def _build_bwd(handle, q, k, v, o, do, dq, dk, dv, b, sq, skv, scale, band, varl
     return _finish(g)
 
 
-@torch.library.custom_op(f"{LIB}::cudnn_bwd", mutates_args=())
+@torch.library.custom_op(f"{LIB}::cudnn_bwd", mutates_args=("dq", "dk", "dv"))
 def cudnn_bwd(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -367,6 +374,9 @@ def cudnn_bwd(
     v: torch.Tensor,
     out: torch.Tensor,
     stats: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
     offsets_q: Optional[torch.Tensor],
     offsets_kv: Optional[torch.Tensor],
     seqlens_q: Optional[torch.Tensor],
@@ -380,28 +390,24 @@ def cudnn_bwd(
     window_right: int,
     bottom_right: bool,
     deterministic: bool,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    varlen = offsets_q is not None
-    padded = seqlens_q is not None
-    dout = dout.contiguous() if dout.stride() != out.stride() else dout
-    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+) -> None:
+    """Writes dq/dk/dv; ``dout`` must have ``out``'s strides."""
+    varlen, padded = offsets_q is not None, seqlens_q is not None
     b, sq, skv = batch_size, max(max_seqlen_q, 1), max(max_seqlen_kv, 1)
     band = _band_kwargs(causal, window_left, window_right, bottom_right)
-    handle = _handle(q.device)
     key = ("bwd", q.dtype, b, sq, skv, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), out.stride(),
-           softmax_scale, tuple(sorted((n, str(x)) for n, x in band.items())), varlen, padded, deterministic, q.device)
-    g, ws = _cached(key, lambda: _build_bwd(handle, q, k, v, out, dout, dq, dk, dv, b, sq, skv, softmax_scale, band, varlen, padded, deterministic))
+           dq.stride(), dk.stride(), dv.stride(), softmax_scale, _band_key(band), varlen, padded, deterministic, q.device)
     pack = {_UID["q"]: q, _UID["k"]: k, _UID["v"]: v, _UID["o"]: out, _UID["do"]: dout, _UID["stats"]: stats,
             _UID["dq"]: dq, _UID["dk"]: dk, _UID["dv"]: dv}
-    pack.update(_lengths_pack(seqlens_q, seqlens_kv))
+    ragged = {}
     if varlen:
-        pack.update(_ragged_pack(dict(rq=(offsets_q, q), rk=(offsets_kv, k), rv=(offsets_kv, v), ro=(offsets_q, out),
-                                      rdo=(offsets_q, dout), rdq=(offsets_q, dq), rdk=(offsets_kv, dk), rdv=(offsets_kv, dv))))
-    workspace = torch.empty(max(ws, 1), dtype=torch.uint8, device=q.device)
-    g.execute(pack, workspace, handle=handle)
-    return dq, dk, dv
+        ragged = dict(rq=(offsets_q, q), rk=(offsets_kv, k), rv=(offsets_kv, v), ro=(offsets_q, out), rdo=(offsets_q, dout),
+                      rdq=(offsets_q, dq), rdk=(offsets_kv, dk), rdv=(offsets_kv, dv))
+    pack.update(_metadata_pack(seqlens_q, seqlens_kv, ragged))
+    build = lambda h: _build_bwd(h, q, k, v, out, dout, dq, dk, dv, b, sq, skv, softmax_scale, band, varlen, padded, deterministic)  # noqa: E731
+    _run_graph(key, build, pack, q.device)
 
 
 @cudnn_bwd.register_fake
-def _(dout, q, k, v, *args):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+def _(dout, q, k, v, out, stats, dq, dk, dv, *args) -> None:
+    return None
