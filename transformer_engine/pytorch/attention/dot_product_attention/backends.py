@@ -11,6 +11,7 @@ between sequences, the tail, other policies' rows) come out exactly 0, forward a
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar, List, Optional, Sequence, Tuple
 
@@ -47,8 +48,7 @@ class VarlenPlan:
     offsets_q: torch.Tensor
     offsets_kv: torch.Tensor
     calls: List[VarlenCall]
-    # True when some rows belong to no call's sequences: gaps, or other policies' rows.
-    skips_rows: bool
+    has_gaps: bool
 
 
 def plan_varlen(inp: AttentionInputs) -> VarlenPlan:
@@ -65,7 +65,7 @@ def plan_varlen(inp: AttentionInputs) -> VarlenPlan:
     for p in policies.active():
         mine = policies.seq_mask(p)
         calls.append(VarlenCall(p, policies.specs[p], torch.where(mine, len_q, 0), torch.where(mine, len_kv, 0)))
-    return VarlenPlan(pq.offsets, pk.offsets, calls, True)
+    return VarlenPlan(pq.offsets, pk.offsets, calls, gaps)
 
 
 def row_owner(p: PackedSeqs, seq_policy: Optional[torch.Tensor]) -> torch.Tensor:
@@ -76,6 +76,11 @@ def row_owner(p: PackedSeqs, seq_policy: Optional[torch.Tensor]) -> torch.Tensor
         seq_policy = torch.zeros(p.batch_size, dtype=torch.int64, device=p.offsets.device)
     seq = p.token_seq_ids().clamp(0, p.batch_size - 1)
     return torch.where(p.token_valid(), seq_policy[seq], -1)
+
+
+def _owners(inp: AttentionInputs) -> Tuple[torch.Tensor, torch.Tensor]:
+    seq_policy = inp.policies.policy_of_seq if inp.policies is not None else None
+    return row_owner(inp.packed_q, seq_policy), row_owner(inp.packed_kv, seq_policy)
 
 
 def combine_rows(owner: torch.Tensor, parts: Sequence[Tuple[int, torch.Tensor]]) -> torch.Tensor:
@@ -113,31 +118,39 @@ def fa_mask_args(spec: MaskSpec) -> Tuple[bool, int, int]:
 
 
 class _KernelAttention(torch.autograd.Function):
-    """FA4 and cuDNN, through their custom ops.
-
-    Both kernels leave the rows they skip unwritten, in the forward and in dQ/dK/dV (measured:
-    benchmarks/results/2026-12-02-h200/probe.log). So every call of a batch writes its own rows
-    of one zero-filled buffer: gaps, the tail and other policies' rows stay exactly 0 and no
-    pass combines or masks rows afterwards. The GPU tests assert those zeros."""
+    """FA4 and cuDNN through their custom ops; ``kernel`` translates the arguments and decides
+    how the calls of several policies are combined (see each kernel class)."""
 
     @staticmethod
     def forward(ctx, q, k, v, kernel, inp: AttentionInputs, plan: Optional[VarlenPlan]):
-        out = q.new_zeros(*q.shape[:-1], v.shape[-1])
-        stats = kernel.new_stats(q, inp, plan)
-        for call in _calls(inp, plan):
-            kernel.forward(q, k, v, out, stats, inp, plan, call)
+        if plan is not None and plan.has_gaps and kernel.SANITIZE_GAPS:
+            q, k, v = _zero_gap_rows(inp, q, k, v)
+        out, stats = kernel.forward(q, k, v, inp, plan, _calls(inp, plan))
         ctx.kernel, ctx.inp, ctx.plan = kernel, inp, plan
-        ctx.save_for_backward(q, k, v, out, stats)
+        ctx.save_for_backward(q, k, v, out, *stats)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, stats = ctx.saved_tensors
-        dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        q, k, v, out, *stats = ctx.saved_tensors
         dout = dout if dout.stride() == out.stride() else dout.contiguous()
-        for call in _calls(ctx.inp, ctx.plan):
-            ctx.kernel.backward(dout, q, k, v, out, stats, dq, dk, dv, ctx.inp, ctx.plan, call)
+        dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out, stats, ctx.inp, ctx.plan, _calls(ctx.inp, ctx.plan))
         return dq, dk, dv, None, None, None
+
+
+def _zero_gap_rows(inp: AttentionInputs, q, k, v):
+    """q/k/v with gap (and tail) rows set to 0, one ``where`` per tensor.
+
+    FA4 loads whole tiles, so the rows just past a sequence enter its products with weight 0,
+    and 0 * NaN = NaN: a NaN in a gap would leak into valid rows and gradients (seen on the
+    H200 with lengths that end mid-tile). NVTE_FLASH_ATTN_SANITIZE_GAPS=0 skips these passes for
+    callers whose gap rows are known to be finite (results are then exact and the passes free)."""
+    if os.getenv("NVTE_FLASH_ATTN_SANITIZE_GAPS", "1") == "0":
+        return q, k, v
+    keep_q = inp.packed_q.token_valid().view(-1, 1, 1)
+    keep_kv = inp.packed_kv.token_valid().view(-1, 1, 1)
+    zero = torch.zeros((), dtype=q.dtype, device=q.device)
+    return torch.where(keep_q, q, zero), torch.where(keep_kv, k, zero), torch.where(keep_kv, v, zero)
 
 
 def _calls(inp: AttentionInputs, plan: Optional[VarlenPlan]) -> List[VarlenCall]:
@@ -216,21 +229,30 @@ class FlashAttentionV4(FlashAttention):
 
 class _FA4Kernel:
     """Argument translation for flash_attn.cute (FA4): physical offsets as cu_seqlens, valid
-    lengths as seqused_q/k; the log-sum-exp is [H, T] (varlen) or [B, H, S] (dense)."""
+    lengths as seqused_q/k; the log-sum-exp is [H, T] (varlen) or [B, H, S] (dense).
+
+    FA4 leaves the rows it skips unwritten in the forward and in dQ/dK/dV, so the calls of all
+    policies write their own rows of one zero-filled buffer each: gaps, the tail and other
+    policies' rows stay exactly 0 with no combining pass (the GPU tests assert those zeros)."""
+
+    SANITIZE_GAPS = True
 
     @staticmethod
-    def new_stats(q, inp: AttentionInputs, plan) -> torch.Tensor:
+    def forward(q, k, v, inp, plan, calls):
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         shape = (q.shape[-2], q.shape[0]) if plan is not None else (q.shape[0], q.shape[2], q.shape[1])
-        return torch.empty(shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+        for call in calls:
+            ops.fa4_fwd(q, k, v, out, lse, *_FA4Kernel._varlen(inp, plan, call), inp.softmax_scale, *fa_mask_args(call.spec))
+        return out, [lse]
 
     @staticmethod
-    def forward(q, k, v, out, lse, inp, plan, call) -> None:
-        ops.fa4_fwd(q, k, v, out, lse, *_FA4Kernel._varlen(inp, plan, call), inp.softmax_scale, *fa_mask_args(call.spec))
-
-    @staticmethod
-    def backward(dout, q, k, v, out, lse, dq, dk, dv, inp, plan, call) -> None:
-        ops.fa4_bwd(dout, q, k, v, out, lse, dq, dk, dv, *_FA4Kernel._varlen(inp, plan, call), inp.softmax_scale,
-                    *fa_mask_args(call.spec), torch.are_deterministic_algorithms_enabled())
+    def backward(dout, q, k, v, out, stats, inp, plan, calls):
+        dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        for call in calls:
+            ops.fa4_bwd(dout, q, k, v, out, stats[0], dq, dk, dv, *_FA4Kernel._varlen(inp, plan, call),
+                        inp.softmax_scale, *fa_mask_args(call.spec), torch.are_deterministic_algorithms_enabled())
+        return dq, dk, dv
 
     @staticmethod
     def _varlen(inp: AttentionInputs, plan: Optional[VarlenPlan], call: VarlenCall):
@@ -323,8 +345,7 @@ def _run_library_varlen(inp: AttentionInputs, plan: VarlenPlan, call_fn) -> torc
     """For libraries with their own autograd, which allocate outputs and gradients themselves
     (skipped rows, the tail included, hold garbage): each call sees inputs whose gradient keeps
     only that call's rows, and the outputs are combined row by row."""
-    seq_policy = inp.policies.policy_of_seq if inp.policies is not None else None
-    owner_q, owner_kv = row_owner(inp.packed_q, seq_policy), row_owner(inp.packed_kv, seq_policy)
+    owner_q, owner_kv = _owners(inp)
     parts = []
     for call in plan.calls:
         q = _MaskRowGrad.apply(inp.q, owner_q == call.policy)
@@ -364,21 +385,32 @@ class FusedAttention(BackendSupport):
 
 class _CudnnKernel:
     """Argument translation for the cuDNN graph ops: ragged offsets from the physical offsets,
-    per-sequence lengths from the valid ones; stats are [B, H, SQ, 1] float32."""
+    per-sequence lengths from the valid ones; stats are [B, H, SQ, 1] float32.
+
+    One call (any gaps) returns zero-filled outputs that are used as they are. cuDNN may write
+    zeros over rows of sequences it runs with length 0, so several policies' calls get their
+    own outputs, combined row by row (one ``where`` per tensor)."""
+
+    SANITIZE_GAPS = False
 
     @staticmethod
-    def new_stats(q, inp: AttentionInputs, plan) -> torch.Tensor:
-        b, sq = (inp.packed_q.batch_size, inp.packed_q.max_seqlen) if plan is not None else (q.shape[0], q.shape[1])
-        return torch.empty(gpu_ops.stats_shape(q, b, sq), dtype=torch.float32, device=q.device)
+    def forward(q, k, v, inp, plan, calls):
+        results = [ops.cudnn_fwd(q, k, v, *_CudnnKernel._args(inp, plan, call)) for call in calls]
+        if len(results) == 1:
+            return results[0][0], [results[0][1]]
+        owner_q, _ = _owners(inp)
+        out = combine_rows(owner_q, [(call.policy, o) for call, (o, _) in zip(calls, results)])
+        return out, [s for _, s in results]
 
     @staticmethod
-    def forward(q, k, v, out, stats, inp, plan, call) -> None:
-        ops.cudnn_fwd(q, k, v, out, stats, *_CudnnKernel._args(inp, plan, call))
-
-    @staticmethod
-    def backward(dout, q, k, v, out, stats, dq, dk, dv, inp, plan, call) -> None:
-        ops.cudnn_bwd(dout, q, k, v, out, stats, dq, dk, dv, *_CudnnKernel._args(inp, plan, call),
-                      torch.are_deterministic_algorithms_enabled())
+    def backward(dout, q, k, v, out, stats, inp, plan, calls):
+        det = torch.are_deterministic_algorithms_enabled()
+        grads = [ops.cudnn_bwd(dout, q, k, v, out, st, *_CudnnKernel._args(inp, plan, call), det) for call, st in zip(calls, stats)]
+        if len(grads) == 1:
+            return grads[0]
+        owner_q, owner_kv = _owners(inp)
+        return tuple(combine_rows(owner, [(call.policy, g[i]) for call, g in zip(calls, grads)])
+                     for i, owner in ((0, owner_q), (1, owner_kv), (2, owner_kv)))
 
     @staticmethod
     def _args(inp: AttentionInputs, plan: Optional[VarlenPlan], call: VarlenCall):

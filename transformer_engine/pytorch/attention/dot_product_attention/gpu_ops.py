@@ -6,9 +6,11 @@ giving physical offsets and optional ``seqused`` the valid lengths) or [B, S, H,
 ``cu_seqlens`` None); windows are (left, right) with -1 unbounded; ``bottom_right`` aligns the
 diagonal to the last key.
 
-Every op writes into caller-provided buffers (``out``/``lse``/``stats``, ``dq``/``dk``/``dv``):
-both libraries leave the rows they skip unwritten, so zero-filled buffers give exact zeros
-there, and the calls for several mask policies share one set of buffers.
+The FA4 ops write into caller-provided buffers (``out``/``lse``, ``dq``/``dk``/``dv``): FA4 leaves
+the rows it skips unwritten, so zero-filled buffers give exact zeros there and the calls for
+several mask policies share one set of buffers. The cuDNN ops are functional and return
+zero-filled outputs: a call leaves its gaps and tail at 0, but it may write zeros over rows of
+sequences it runs with length 0, so calls for several policies do not share buffers.
 """
 
 from __future__ import annotations
@@ -293,13 +295,11 @@ def _metadata_pack(seqlens_q, seqlens_kv, ragged: dict) -> dict:
     return pack
 
 
-@torch.library.custom_op(f"{LIB}::cudnn_fwd", mutates_args=("out", "stats"))
+@torch.library.custom_op(f"{LIB}::cudnn_fwd", mutates_args=())
 def cudnn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    out: torch.Tensor,
-    stats: torch.Tensor,
     offsets_q: Optional[torch.Tensor],
     offsets_kv: Optional[torch.Tensor],
     seqlens_q: Optional[torch.Tensor],
@@ -312,22 +312,25 @@ def cudnn_fwd(
     window_left: int,
     window_right: int,
     bottom_right: bool,
-) -> None:
-    """Writes ``out`` (like q, head dim of v) and ``stats`` ([B, H, SQ, 1] float32)."""
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Returns out (like q, head dim of v; rows the kernel skips are 0) and stats [B, H, SQ, 1]."""
     varlen, padded = offsets_q is not None, seqlens_q is not None
     b, sq, skv = batch_size, max(max_seqlen_q, 1), max(max_seqlen_kv, 1)
     band = _band_kwargs(causal, window_left, window_right, bottom_right)
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    stats = q.new_empty(stats_shape(q, batch_size, max_seqlen_q), dtype=torch.float32)
     key = ("fwd", q.dtype, b, sq, skv, q.shape[1:], k.shape[1:], v.shape[1:], q.stride(), k.stride(), v.stride(),
            out.stride(), softmax_scale, _band_key(band), varlen, padded, q.device)
     pack = {_UID["q"]: q, _UID["k"]: k, _UID["v"]: v, _UID["o"]: out, _UID["stats"]: stats}
     ragged = dict(rq=(offsets_q, q), rk=(offsets_kv, k), rv=(offsets_kv, v), ro=(offsets_q, out)) if varlen else {}
     pack.update(_metadata_pack(seqlens_q, seqlens_kv, ragged))
     _run_graph(key, lambda h: _build_fwd(h, q, k, v, out, b, sq, skv, softmax_scale, band, varlen, padded), pack, q.device)
+    return out, stats
 
 
 @cudnn_fwd.register_fake
-def _(q, k, v, out, stats, *args) -> None:
-    return None
+def _(q, k, v, offsets_q, offsets_kv, seqlens_q, seqlens_kv, batch_size, max_seqlen_q, *args):
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(stats_shape(q, batch_size, max_seqlen_q), dtype=torch.float32)
 
 
 def stats_shape(q: torch.Tensor, batch_size: int, max_seqlen_q: int) -> Tuple[int, int, int, int]:
@@ -366,7 +369,7 @@ def _build_bwd(handle, q, k, v, o, do, dq, dk, dv, b, sq, skv, scale, band, varl
     return _finish(g)
 
 
-@torch.library.custom_op(f"{LIB}::cudnn_bwd", mutates_args=("dq", "dk", "dv"))
+@torch.library.custom_op(f"{LIB}::cudnn_bwd", mutates_args=())
 def cudnn_bwd(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -374,9 +377,6 @@ def cudnn_bwd(
     v: torch.Tensor,
     out: torch.Tensor,
     stats: torch.Tensor,
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
     offsets_q: Optional[torch.Tensor],
     offsets_kv: Optional[torch.Tensor],
     seqlens_q: Optional[torch.Tensor],
@@ -390,9 +390,10 @@ def cudnn_bwd(
     window_right: int,
     bottom_right: bool,
     deterministic: bool,
-) -> None:
-    """Writes dq/dk/dv; ``dout`` must have ``out``'s strides."""
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns dq/dk/dv (contiguous; rows the kernel skips are 0); ``dout`` needs ``out``'s strides."""
     varlen, padded = offsets_q is not None, seqlens_q is not None
+    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     b, sq, skv = batch_size, max(max_seqlen_q, 1), max(max_seqlen_kv, 1)
     band = _band_kwargs(causal, window_left, window_right, bottom_right)
     key = ("bwd", q.dtype, b, sq, skv, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), out.stride(),
@@ -406,8 +407,9 @@ def cudnn_bwd(
     pack.update(_metadata_pack(seqlens_q, seqlens_kv, ragged))
     build = lambda h: _build_bwd(h, q, k, v, out, dout, dq, dk, dv, b, sq, skv, softmax_scale, band, varlen, padded, deterministic)  # noqa: E731
     _run_graph(key, build, pack, q.device)
+    return dq, dk, dv
 
 
 @cudnn_bwd.register_fake
-def _(dout, q, k, v, out, stats, dq, dk, dv, *args) -> None:
-    return None
+def _(dout, q, k, v, *args):
+    return tuple(q.new_empty(t.shape) for t in (q, k, v))
