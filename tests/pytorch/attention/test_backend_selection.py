@@ -101,6 +101,15 @@ def test_debug_logging(monkeypatch, caplog):
     assert "selected: FlashAttention v4" in caplog.text
 
 
+def test_explain_backends_maps_every_backend_to_its_reasons():
+    from transformer_engine.pytorch.attention.dot_product_attention import explain_backends
+
+    reasons = explain_backends(replace(THD, compute_capability=(8, 0)), ALL)
+    assert set(reasons) == {"FlashAttention v4", "FlashAttention v3", "FusedAttention", "FlashAttention v2", "UnfusedDotProductAttention"}
+    assert reasons["FusedAttention"] == ()
+    assert any("compute_capability=sm80" in r for r in reasons["FlashAttention v4"])
+
+
 def test_cli_reports_reasons(capsys):
     assert explain_main(["--assume-all-libraries", "--cc", "8.0", "--pad-between-seqs"]) == 0
     out = capsys.readouterr().out

@@ -12,7 +12,6 @@ import torch
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention.dot_product_attention import get_qkv_layout
 
-from .packing import make_thd
 
 H, HG, D, B, S = 4, 2, 8, 2, 5
 
@@ -108,7 +107,7 @@ def test_legacy_detection_names_every_layout(fmt, packing, dim, name):
     assert get_qkv_layout(q, k, v, fmt) == (name, packing)
 
 
-def test_legacy_packed_views_warn_once_per_call():
+def test_legacy_packed_views_warn():
     qkv = torch.randn(B, S, 3, H, D)
     q, k, v = qkv.unbind(2)
     with pytest.warns(DeprecationWarning, match="pass it as qkv_layer="):

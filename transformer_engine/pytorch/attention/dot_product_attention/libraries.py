@@ -12,6 +12,8 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 
 @dataclass(frozen=True)
 class InstalledLibraries:
@@ -52,21 +54,10 @@ def installed_libraries() -> InstalledLibraries:
 
 @functools.lru_cache(maxsize=None)
 def _compute_capability(device_index: int) -> tuple:
-    import torch
-
     return tuple(torch.cuda.get_device_capability(device_index))
 
 
+# torch.compile cannot trace the lru_cache; it calls this once, while tracing.
+@torch.compiler.assume_constant_result
 def compute_capability(device_index: int) -> tuple:
     return _compute_capability(device_index)
-
-
-def _constant_for_compile() -> None:
-    # torch.compile cannot trace the lru_cache; it may call the function once, while tracing.
-    import torch
-
-    global compute_capability
-    compute_capability = torch.compiler.assume_constant_result(compute_capability)
-
-
-_constant_for_compile()

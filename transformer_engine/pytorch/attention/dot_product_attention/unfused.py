@@ -26,7 +26,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from .masks import UNBOUNDED, MaskSpec, band_allowed
+from .masks import band_allowed
 from .params import AttentionInputs
 from .thd import PackedSeqs
 
