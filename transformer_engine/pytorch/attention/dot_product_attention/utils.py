@@ -145,8 +145,9 @@ def get_qkv_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_format
 
     Only the undeclared path calls this; ``qkv_layer``/``kv_layer`` build the layout instead.
     """
-    if _shared_interleave([q, k, v]) is not None:
-        return layout_string(qkv_format, "qkv", _shared_interleave([q, k, v])), "qkv"
+    dim = _shared_interleave([q, k, v])
+    if dim is not None:
+        return layout_string(qkv_format, "qkv", dim), "qkv"
     dim = _shared_interleave([k, v])
     if dim is not None:
         return layout_string(qkv_format, "kv", dim), "kv"
