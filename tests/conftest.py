@@ -1,7 +1,13 @@
-"""Shared pytest setup: the `gpu` marker skips cleanly without CUDA."""
+"""Shared pytest setup: the `gpu` marker skips cleanly without CUDA; without CUDA, Triton
+kernels run in Triton's CPU interpreter (it must be chosen before triton is imported)."""
+
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):

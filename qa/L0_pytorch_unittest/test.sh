@@ -35,6 +35,7 @@ run_file test_packed_qkv.py
 run_file test_multi_head_attention.py
 run_file test_gpu_backends.py
 run_file test_fa3_adapter.py
+run_file test_gap_rows.py
 run_file test_qa_list.py
 
 echo

@@ -53,13 +53,16 @@ def _policy_table(per_seq, is_causal, b):
     return types, windows
 
 
+# The module's own mask must not leak into the policies: a causal module mask once turned
+# every policy causal (its normalized window (-1, 0) was handed to all of them).
+@pytest.mark.parametrize("module_mask", ["padding", "padding_causal"])
 @pytest.mark.parametrize("gaps", [False, True])
 @pytest.mark.parametrize("hg", [4, 2])
 @pytest.mark.parametrize("name", list(POLICIES))
-def test_cpu_parity(name, hg, gaps):
+def test_cpu_parity(name, hg, gaps, module_mask):
     per_seq, is_causal = POLICIES[name]
     p = make_thd(LENGTHS, gaps_q=GAPS if gaps else None, h=H, hg=hg, d=D, tail=2)
-    dpa = DotProductAttention(H, D, num_gqa_groups=hg, qkv_format="thd", attn_mask_type="padding")
+    dpa = DotProductAttention(H, D, num_gqa_groups=hg, qkv_format="thd", attn_mask_type=module_mask)
     out = dpa(p.q, p.k, p.v, **p.kwargs(gaps, 7, 7, shared=True), attn_mask_type_per_seq=per_seq,
               thd_sequence_is_causal=is_causal).view(-1, H, D)
     types, windows = _policy_table(per_seq, is_causal, len(LENGTHS))

@@ -18,6 +18,7 @@ from typing import ClassVar, List, Optional, Sequence, Tuple
 import torch
 
 from . import gpu_ops  # noqa: F401  (registers the custom ops; imports no GPU library)
+from .gap_rows import FA4_MAX_TILE_ROWS, zeroed_gap_rows
 from .masks import AttnMaskType, MaskSpec
 from .params import AttentionInputs
 from .support import ALL_FLOAT, BackendSupport, Reason
@@ -122,12 +123,13 @@ class _KernelAttention(torch.autograd.Function):
     how the calls of several policies are combined (see each kernel class)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel, inp: AttentionInputs, plan: Optional[VarlenPlan]):
-        if plan is not None and plan.has_gaps and kernel.SANITIZE_GAPS:
-            q, k, v = _zero_gap_rows(inp, q, k, v)
-        out, stats = kernel.forward(q, k, v, inp, plan, _calls(inp, plan))
+    def forward(ctx, q, k, v, kernel, inp: AttentionInputs, plan: Optional[VarlenPlan], guard: str, need_stats: bool):
+        if guard == "copy":
+            q, k, v = _zero_spill_rows(inp, *(t.clone() for t in (q, k, v)))
+        out, stats = kernel.forward(q, k, v, inp, plan, _calls(inp, plan), need_stats)
         ctx.kernel, ctx.inp, ctx.plan = kernel, inp, plan
-        ctx.save_for_backward(q, k, v, out, *stats)
+        if need_stats:
+            ctx.save_for_backward(q, k, v, out, *stats)
         return out
 
     @staticmethod
@@ -135,22 +137,47 @@ class _KernelAttention(torch.autograd.Function):
         q, k, v, out, *stats = ctx.saved_tensors
         dout = dout if dout.stride() == out.stride() else dout.contiguous()
         dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out, stats, ctx.inp, ctx.plan, _calls(ctx.inp, ctx.plan))
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
-def _zero_gap_rows(inp: AttentionInputs, q, k, v):
-    """q/k/v with gap (and tail) rows set to 0, one ``where`` per tensor.
+def _gap_guard(plan: Optional[VarlenPlan], kernel) -> str:
+    """How FA4's NaN guard runs for this call: "inplace" (default), "copy" or "off".
 
-    FA4 loads whole tiles, so the rows just past a sequence enter its products with weight 0,
-    and 0 * NaN = NaN: a NaN in a gap would leak into valid rows and gradients (seen on the
-    H200 with lengths that end mid-tile). NVTE_FLASH_ATTN_SANITIZE_GAPS=0 skips these passes for
-    callers whose gap rows are known to be finite (results are then exact and the passes free)."""
-    if os.getenv("NVTE_FLASH_ATTN_SANITIZE_GAPS", "1") == "0":
-        return q, k, v
-    keep_q = inp.packed_q.token_valid().view(-1, 1, 1)
-    keep_kv = inp.packed_kv.token_valid().view(-1, 1, 1)
-    zero = torch.zeros((), dtype=q.dtype, device=q.device)
-    return torch.where(keep_q, q, zero), torch.where(keep_kv, k, zero), torch.where(keep_kv, v, zero)
+    FA4 loads whole tiles, so the rows just past a sequence end enter its products with weight
+    0, and 0 * NaN = NaN: NaN in a gap would leak into valid rows (seen on the H200). The guard
+    zeroes the first FA4_MAX_TILE_ROWS unowned rows after each sequence (no kernel reads further).
+    In place, it writes only those rows of the caller's q/k/v, which belong to no sequence;
+    NVTE_FLASH_ATTN_SANITIZE_GAPS=copy works on copies instead (inputs untouched, one copy per
+    tensor); =0 skips the guard (gap rows known to be finite). Under torch.compile the guard
+    copies: an in-place write to graph inputs would become a copy there anyway."""
+    if plan is None or not plan.has_gaps or not kernel.SANITIZE_GAPS:
+        return "off"
+    mode = os.getenv("NVTE_FLASH_ATTN_SANITIZE_GAPS", "1")
+    if mode == "0":
+        return "off"
+    if mode == "copy" or torch.compiler.is_compiling():
+        return "copy"
+    return "inplace"
+
+
+def _zero_spill_rows(inp: AttentionInputs, q, k, v):
+    """Zero, in place, the rows of q/k/v that FA4 may load past each sequence end."""
+    done: List[torch.Tensor] = []
+    for t, packed in ((q, inp.packed_q), (k, inp.packed_kv), (v, inp.packed_kv)):
+        if not any(t is seen for seen in done):  # k and v may be one tensor
+            zeroed_gap_rows(t, packed.cu_seqlens, packed.offsets, FA4_MAX_TILE_ROWS)
+            done.append(t)
+    return q, k, v
+
+
+def _run_kernel(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan]) -> torch.Tensor:
+    guard = _gap_guard(plan, kernel)
+    if guard == "inplace":
+        with torch.no_grad():
+            _zero_spill_rows(inp, inp.q.detach(), inp.k.detach(), inp.v.detach())
+    # Without gradients FA4 may skip its log-sum-exp (``needs_input_grad`` ignores no_grad).
+    need_stats = torch.is_grad_enabled() and any(t.requires_grad for t in (inp.q, inp.k, inp.v))
+    return _KernelAttention.apply(inp.q, inp.k, inp.v, kernel, inp, plan, guard, need_stats)
 
 
 def _calls(inp: AttentionInputs, plan: Optional[VarlenPlan]) -> List[VarlenCall]:
@@ -223,8 +250,7 @@ class FlashAttentionV4(FlashAttention):
 
     @staticmethod
     def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
-        plan = plan_varlen(inp) if inp.is_thd else None
-        return _KernelAttention.apply(inp.q, inp.k, inp.v, _FA4Kernel, inp, plan)
+        return _run_kernel(_FA4Kernel, inp, plan_varlen(inp) if inp.is_thd else None)
 
 
 class _FA4Kernel:
@@ -232,26 +258,35 @@ class _FA4Kernel:
     lengths as seqused_q/k; the log-sum-exp is [H, T] (varlen) or [B, H, S] (dense).
 
     FA4 leaves the rows it skips unwritten in the forward and in dQ/dK/dV, so the calls of all
-    policies write their own rows of one zero-filled buffer each: gaps, the tail and other
-    policies' rows stay exactly 0 with no combining pass (the GPU tests assert those zeros)."""
+    policies write their own rows of one buffer each, and only the rows no sequence owns (gaps,
+    the tail) are zeroed, by ``zero_gap_rows``: no memset of the whole buffer, no combining pass
+    (the GPU tests assert those zeros, and that skipped rows of other policies stay 0)."""
 
     SANITIZE_GAPS = True
 
     @staticmethod
-    def forward(q, k, v, inp, plan, calls):
-        out = q.new_zeros(*q.shape[:-1], v.shape[-1])
-        shape = (q.shape[-2], q.shape[0]) if plan is not None else (q.shape[0], q.shape[2], q.shape[1])
-        lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+    def forward(q, k, v, inp, plan, calls, need_lse):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        lse = None
+        if need_lse:  # without it FA4 runs its inference variant (no LSE store)
+            shape = (q.shape[-2], q.shape[0]) if plan is not None else (q.shape[0], q.shape[2], q.shape[1])
+            lse = torch.empty(shape, dtype=torch.float32, device=q.device)
         for call in calls:
             ops.fa4_fwd(q, k, v, out, lse, *_FA4Kernel._varlen(inp, plan, call), inp.softmax_scale, *fa_mask_args(call.spec))
+        if plan is not None:
+            zeroed_gap_rows(out, inp.packed_q.cu_seqlens, plan.offsets_q)
         return out, [lse]
 
     @staticmethod
     def backward(dout, q, k, v, out, stats, inp, plan, calls):
-        dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
         for call in calls:
             ops.fa4_bwd(dout, q, k, v, out, stats[0], dq, dk, dv, *_FA4Kernel._varlen(inp, plan, call),
                         inp.softmax_scale, *fa_mask_args(call.spec), torch.are_deterministic_algorithms_enabled())
+        if plan is not None:
+            for grad, packed, offsets in ((dq, inp.packed_q, plan.offsets_q), (dk, inp.packed_kv, plan.offsets_kv),
+                                          (dv, inp.packed_kv, plan.offsets_kv)):
+                zeroed_gap_rows(grad, packed.cu_seqlens, offsets)
         return dq, dk, dv
 
     @staticmethod
@@ -379,8 +414,7 @@ class FusedAttention(BackendSupport):
 
     @staticmethod
     def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
-        plan = plan_varlen(inp) if inp.is_thd else None
-        return _KernelAttention.apply(inp.q, inp.k, inp.v, _CudnnKernel, inp, plan)
+        return _run_kernel(_CudnnKernel, inp, plan_varlen(inp) if inp.is_thd else None)
 
 
 class _CudnnKernel:
@@ -394,7 +428,7 @@ class _CudnnKernel:
     SANITIZE_GAPS = False
 
     @staticmethod
-    def forward(q, k, v, inp, plan, calls):
+    def forward(q, k, v, inp, plan, calls, need_stats):
         results = [ops.cudnn_fwd(q, k, v, *_CudnnKernel._args(inp, plan, call)) for call in calls]
         if len(results) == 1:
             return results[0][0], [results[0][1]]

@@ -122,12 +122,14 @@ class DotProductAttention(torch.nn.Module):
             q, k, v = (t.transpose(0, 1) for t in (q, k, v))
         mask = AttnMaskType.parse(attn_mask_type if attn_mask_type is not None else self.attn_mask_type)
         mask = check_mask_and_format(mask, fmt, attention_mask, cu_seqlens_q is not None)
-        window = normalize_window(window_size if window_size is not None else self.window_size, mask)
+        raw_window = window_size if window_size is not None else self.window_size
+        window = normalize_window(raw_window, mask)
         inp = AttentionInputs(q, k, v, "thd" if fmt == "thd" else "bshd", MaskSpec(mask, window), self.softmax_scale,
                               self.attention_dropout)
         if fmt == "thd":
             self._fill_thd(inp, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
-                           max_seqlen_q, max_seqlen_kv, pad_between_seqs, attn_mask_type_per_seq, thd_sequence_is_causal, window)
+                           max_seqlen_q, max_seqlen_kv, pad_between_seqs, attn_mask_type_per_seq, thd_sequence_is_causal,
+                           raw_window)
         else:
             _reject_per_seq(attn_mask_type_per_seq, thd_sequence_is_causal, f"qkv_format={fmt!r}")
             inp.q_valid, inp.kv_valid, inp.arbitrary_mask = dense_padding(
@@ -148,6 +150,9 @@ class DotProductAttention(torch.nn.Module):
         return selection.backend
 
     def _fill_thd(self, inp, cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_q, max_kv, pad_between, per_seq, is_causal, window):
+        """``window`` is the window as given: each policy normalizes it against its own mask
+        (normalized against a causal module mask it would read (-1, 0), making every policy
+        causal)."""
         if cu_q is None or cu_kv is None:
             raise ValueError("qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv (int32, [batch_size+1]); got None")
         check_cu_seqlens("cu_seqlens_q", cu_q)

@@ -7,8 +7,9 @@ giving physical offsets and optional ``seqused`` the valid lengths) or [B, S, H,
 diagonal to the last key.
 
 The FA4 ops write into caller-provided buffers (``out``/``lse``, ``dq``/``dk``/``dv``): FA4 leaves
-the rows it skips unwritten, so zero-filled buffers give exact zeros there and the calls for
-several mask policies share one set of buffers. The cuDNN ops are functional and return
+the rows it skips unwritten, so the calls for several mask policies share one set of buffers
+and the caller zeroes the rows no sequence owns (``gap_rows.zero_gap_rows``). ``lse`` None
+runs FA4's inference variant, which stores no log-sum-exp. The cuDNN ops are functional and return
 zero-filled outputs: a call leaves its gaps and tail at 0, but it may write zeros over rows of
 sequences it runs with length 0, so calls for several policies do not share buffers.
 """
@@ -36,7 +37,7 @@ def fa4_fwd(
     k: torch.Tensor,
     v: torch.Tensor,
     out: torch.Tensor,
-    lse: torch.Tensor,
+    lse: Optional[torch.Tensor],
     cu_seqlens_q: Optional[torch.Tensor],
     cu_seqlens_kv: Optional[torch.Tensor],
     seqused_q: Optional[torch.Tensor],
@@ -65,7 +66,7 @@ def fa4_fwd(
         causal=causal,
         window_size_left=_opt(window_left),
         window_size_right=_opt(window_right),
-        return_lse=True,
+        return_lse=lse is not None,
         out=out,
         lse=lse,
     )
