@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import transformer_engine.pytorch.attention.dot_product_attention.backends as backends
 from transformer_engine.pytorch import DotProductAttention
+from transformer_engine.pytorch.attention.dot_product_attention import gap_rows
 from transformer_engine.pytorch.attention.dot_product_attention.gap_rows import FA4_MAX_TILE_ROWS, unowned_rows
 
 from .gpu_helpers import env
@@ -135,6 +136,7 @@ def _sequences(cu_q, cu_kv, used_q, used_kv):
 class _FakeOps:
     fa4_fwd = staticmethod(fake_fa4_fwd)
     fa4_bwd = staticmethod(fake_fa4_bwd)
+    zero_gap_rows = staticmethod(gap_rows.zero_gap_rows)  # the real op (its CPU branch)
 
 
 @pytest.fixture

@@ -17,15 +17,14 @@ from typing import ClassVar, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import gpu_ops  # noqa: F401  (registers the custom ops; imports no GPU library)
-from .gap_rows import FA4_MAX_TILE_ROWS, zeroed_gap_rows
+from .gpu_ops import ops  # the kernels (registers the custom ops; imports no GPU library)
+from .gap_rows import FA4_MAX_TILE_ROWS
 from .masks import AttnMaskType, MaskSpec
 from .params import AttentionInputs
 from .support import ALL_FLOAT, BackendSupport, Reason
 from .thd import PackedSeqs
 from .unfused import unfused_attention
 
-ops = torch.ops.te_attn
 
 
 # ---------------------------------------------------------------------------------- THD routing
@@ -165,7 +164,7 @@ def _zero_spill_rows(inp: AttentionInputs, q, k, v):
     done: List[torch.Tensor] = []
     for t, packed in ((q, inp.packed_q), (k, inp.packed_kv), (v, inp.packed_kv)):
         if not any(t is seen for seen in done):  # k and v may be one tensor
-            zeroed_gap_rows(t, packed.cu_seqlens, packed.offsets, FA4_MAX_TILE_ROWS)
+            ops.zero_gap_rows(t, packed.cu_seqlens, packed.offsets, FA4_MAX_TILE_ROWS)
             done.append(t)
     return q, k, v
 
@@ -175,6 +174,9 @@ def _run_kernel(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan]) -> tor
     if guard == "inplace":
         with torch.no_grad():
             _zero_spill_rows(inp, inp.q.detach(), inp.k.detach(), inp.v.detach())
+        # The eager kernel writes through raw pointers; tell autograd the tensors changed, so a
+        # node that saved one of them before this call fails loudly instead of using new values.
+        torch.autograd.graph.increment_version([inp.q, inp.k, inp.v])
     # Without gradients FA4 may skip its log-sum-exp (``needs_input_grad`` ignores no_grad).
     need_stats = torch.is_grad_enabled() and any(t.requires_grad for t in (inp.q, inp.k, inp.v))
     return _KernelAttention.apply(inp.q, inp.k, inp.v, kernel, inp, plan, guard, need_stats)
@@ -274,7 +276,7 @@ class _FA4Kernel:
         for call in calls:
             ops.fa4_fwd(q, k, v, out, lse, *_FA4Kernel._varlen(inp, plan, call), inp.softmax_scale, *fa_mask_args(call.spec))
         if plan is not None:
-            zeroed_gap_rows(out, inp.packed_q.cu_seqlens, plan.offsets_q)
+            ops.zero_gap_rows(out, inp.packed_q.cu_seqlens, plan.offsets_q, -1)
         return out, [lse]
 
     @staticmethod
@@ -286,7 +288,7 @@ class _FA4Kernel:
         if plan is not None:
             for grad, packed, offsets in ((dq, inp.packed_q, plan.offsets_q), (dk, inp.packed_kv, plan.offsets_kv),
                                           (dv, inp.packed_kv, plan.offsets_kv)):
-                zeroed_gap_rows(grad, packed.cu_seqlens, offsets)
+                ops.zero_gap_rows(grad, packed.cu_seqlens, offsets, -1)
         return dq, dk, dv
 
     @staticmethod

@@ -28,9 +28,6 @@ is also the reference the kernel is tested against.
 from __future__ import annotations
 
 import functools
-import os
-from typing import Optional
-
 import torch
 
 # The largest tile FA4 loads along the sequence (its m/n blocks are at most 256 rows on sm90
@@ -55,9 +52,9 @@ def unowned_rows(cu_seqlens: torch.Tensor, offsets: torch.Tensor, total: int, ma
     return (seg >= 0) & (rows < seg_stop[seg.clamp_min(0)])
 
 
-@functools.lru_cache(maxsize=2)
-def _kernel(interpret: bool):
-    """The Triton kernel, built on first use (``TRITON_INTERPRET`` is read when it is built)."""
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    """The Triton kernel, built on first use (Triton reads ``TRITON_INTERPRET`` when it is built)."""
     import triton
     import triton.language as tl
 
@@ -104,14 +101,12 @@ def launch_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, offsets: torch.Tens
     segments = n_seqs + 1
     rows_per_segment = t if max_rows < 0 else min(t, max_rows)
     n_parts = max(1, min(triton.cdiv(rows_per_segment, _BLOCK_ROWS), _MAX_PROGRAMS // segments))
-    kernel = _kernel(os.environ.get("TRITON_INTERPRET", "0") == "1")
-    kernel[(segments, n_parts)](
+    _kernel()[(segments, n_parts)](
         x, cu_seqlens, offsets, n_seqs, t, max_rows, *x.stride(),
         D=d, HD=h * d, BLOCK_R=_BLOCK_ROWS, BLOCK_C=min(triton.next_power_of_2(h * d), 1024),
     )
 
 
-@torch.library.custom_op("te_attn::zero_gap_rows", mutates_args=("x",))
 def zero_gap_rows(x: torch.Tensor, cu_seqlens: torch.Tensor, offsets: torch.Tensor, max_rows: int) -> None:
     """Set the unowned rows of ``x`` to 0 (see the module docstring)."""
     if x.device.type == "cuda":
@@ -120,12 +115,9 @@ def zero_gap_rows(x: torch.Tensor, cu_seqlens: torch.Tensor, offsets: torch.Tens
         x.masked_fill_(unowned_rows(cu_seqlens, offsets, x.shape[0], max_rows).view(-1, 1, 1), 0)
 
 
-@zero_gap_rows.register_fake
+zero_gap_rows_op = torch.library.custom_op("te_attn::zero_gap_rows", zero_gap_rows, mutates_args=("x",))
+
+
+@zero_gap_rows_op.register_fake
 def _(x, cu_seqlens, offsets, max_rows) -> None:
     return None
-
-
-def zeroed_gap_rows(x: torch.Tensor, cu_seqlens: torch.Tensor, offsets: Optional[torch.Tensor], max_rows: int = -1) -> torch.Tensor:
-    """``x`` after zeroing its unowned rows in place; returns ``x`` for chaining."""
-    torch.ops.te_attn.zero_gap_rows(x, cu_seqlens, cu_seqlens if offsets is None else offsets, max_rows)
-    return x
