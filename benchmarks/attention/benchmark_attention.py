@@ -112,10 +112,11 @@ def fa4_direct(lengths, d, causal):
 
 
 def cudnn_direct(lengths, d, causal):
-    """The cuDNN graph ops alone (what FusedAttention calls), without DotProductAttention's
-    validation, selection and planning. nvidia-cudnn-frontend's own torch op is not used for
-    this: its THD backward rejected its forward's stats on this batch (shape mismatch)."""
-    import transformer_engine.pytorch.attention.dot_product_attention.gpu_ops  # noqa: F401
+    """The cuDNN graph calls alone (the plain functions FusedAttention runs in eager mode),
+    without DotProductAttention's validation, selection and planning. nvidia-cudnn-frontend's
+    own torch op is not used for this: its THD backward rejected its forward's stats on this
+    batch (shape mismatch)."""
+    from transformer_engine.pytorch.attention.dot_product_attention import gpu_ops
 
     inputs = thd_inputs(sum(lengths), d, True)
     c, m, scale, b = cu(lengths), max(lengths), d ** -0.5, len(lengths)
@@ -125,14 +126,14 @@ def cudnn_direct(lengths, d, causal):
     class Fn(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v):
-            o, stats = torch.ops.te_attn.cudnn_fwd(q, k, v, *args)
+            o, stats = gpu_ops.cudnn_fwd(q, k, v, *args)
             ctx.save_for_backward(q, k, v, o, stats)
             return o
 
         @staticmethod
         def backward(ctx, grad):
             q, k, v, o, stats = ctx.saved_tensors
-            return torch.ops.te_attn.cudnn_bwd(grad.contiguous(), q, k, v, o, stats, *args, False)
+            return gpu_ops.cudnn_bwd(grad.contiguous(), q, k, v, o, stats, *args, False)
 
     return (lambda: Fn.apply(*inputs)), inputs
 
@@ -175,10 +176,12 @@ def gaps_section(rows):
                         for name, g in (("no gaps", None), ("gaps", gaps)):
                             fn, inputs, _ = dpa_thd(NOTES_LENGTHS, 128, mask, gaps=g)
                             rows.append(row("gaps", "notes-32k", 128, mask, f"{lib} {name} {tag}", timed(fn, inputs, with_bwd), f))
-                    if lib == "FA4":  # the gap rows here are finite, so the NaN guard may be skipped
-                        with Env(dict(ONLY[lib], NVTE_FLASH_ATTN_SANITIZE_GAPS="0")):
-                            fn, inputs, _ = dpa_thd(NOTES_LENGTHS, 128, mask, gaps=gaps)
-                            rows.append(row("gaps", "notes-32k", 128, mask, f"{lib} gaps, SANITIZE_GAPS=0 {tag}", timed(fn, inputs, with_bwd), f))
+                    if lib == "FA4":  # the guard's other modes: copies of q/k/v, or none (finite gap rows)
+                        for mode in ("copy", "0"):
+                            with Env(dict(ONLY[lib], NVTE_FLASH_ATTN_SANITIZE_GAPS=mode)):
+                                fn, inputs, _ = dpa_thd(NOTES_LENGTHS, 128, mask, gaps=gaps)
+                                rows.append(row("gaps", "notes-32k", 128, mask, f"{lib} gaps, SANITIZE_GAPS={mode} {tag}",
+                                                timed(fn, inputs, with_bwd), f))
                 except Exception:
                     traceback.print_exc()
 

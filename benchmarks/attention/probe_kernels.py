@@ -2,11 +2,12 @@
 
 1. Which rows each kernel writes: outputs and gradients are pre-filled with NaN, and we count
    the rows outside any (used) sequence that came back written.
-2. Which inputs leak NaN from gap rows into valid rows (q, k or v poisoned alone).
-3. What FA4's ``seqused`` costs against the same batch without it, and what the extra passes
-   (memset, where) cost.
+2. Which inputs leak NaN from gap rows into valid rows (q, k, v or dout poisoned alone), and
+   whether zeroing the guard's spill rows stops it; what FA4 writes for key-less sequences.
+3. What FA4's ``seqused`` costs against the same batch without it, what the extra passes
+   (memset, where, clone, zero_gap_rows) cost, and FA4's public function against our op.
 
-    python benchmarks/attention/probe_kernels.py
+    python benchmarks/attention/probe_kernels.py [--steps writes,leaks,empty_kv,costs,direct,graph]
 """
 
 from __future__ import annotations
@@ -102,18 +103,44 @@ def probe_cudnn_writes(q, k, v, offsets, lens, used, causal, gap_rows, skipped):
 
 
 def probe_leaks():
+    """NaN in the gap rows of one tensor at a time (dout too), FA4 with zero-filled outputs;
+    then all of q/k/v poisoned with the guard's spill rows zeroed (what DotProductAttention does)."""
+    from transformer_engine.pytorch.attention.dot_product_attention.gap_rows import FA4_MAX_TILE_ROWS, zero_gap_rows
+
     lens = torch.tensor(LENGTHS, dtype=torch.int32, device="cuda")
     offsets, valid = layout(GAPS)
+    cu_valid = cu(LENGTHS)
     total = int(offsets[-1])
-    for which in ("q", "k", "v"):
-        q, k, v = inputs(total, ~valid, which)
-        out, lse = fa4_pair(q, k, v, offsets, lens, lens, True, out=torch.zeros(total, H, D, device="cuda", dtype=torch.bfloat16))
-        dout = torch.randn_like(out)
-        dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
-        m = max(LENGTHS)
-        ops.fa4_bwd(dout, q, k, v, out, lse, dq, dk, dv, offsets, offsets, lens, lens, m, m, D ** -0.5, True, -1, -1, False)
-        fin = lambda t: bool(torch.isfinite(t[valid].float()).all())  # noqa: E731
-        print(f"[leak] FA4 NaN in gap rows of {which}: valid out finite {fin(out)}, dq {fin(dq)}, dk {fin(dk)}, dv {fin(dv)}")
+    m = max(LENGTHS)
+    for which in ("q", "k", "v", "dout", "qkv+guard"):
+        q, k, v = inputs(total, ~valid, which if which != "dout" else "")
+        if which == "qkv+guard":
+            for t in (q, k, v):
+                zero_gap_rows(t, cu_valid, offsets, FA4_MAX_TILE_ROWS)
+        for causal in (True, False):
+            out, lse = fa4_pair(q, k, v, offsets, lens, lens, causal, out=torch.zeros(total, H, D, device="cuda", dtype=torch.bfloat16))
+            dout = torch.randn_like(out)
+            if which == "dout":
+                dout[~valid] = float("nan")
+            dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+            ops.fa4_bwd(dout, q, k, v, out, lse, dq, dk, dv, offsets, offsets, lens, lens, m, m, D ** -0.5, causal, -1, -1, False)
+            fin = lambda t: bool(torch.isfinite(t[valid].float()).all())  # noqa: E731
+            print(f"[leak] FA4 NaN in gap rows of {which} causal={causal}: valid out finite {fin(out)}, dq {fin(dq)}, "
+                  f"dk {fin(dk)}, dv {fin(dv)}")
+
+
+def probe_empty_kv():
+    """Sequences with queries but no keys (seqused_k = 0): does FA4 write their output rows?"""
+    lens = torch.tensor(LENGTHS, dtype=torch.int32, device="cuda")
+    offsets = cu(LENGTHS)
+    used_k = torch.where(torch.arange(len(LENGTHS), device="cuda") % 3 == 0, 0, lens)
+    rows = torch.repeat_interleave(used_k == 0, lens)
+    q, k, v = inputs(sum(LENGTHS))
+    for causal in (True, False):
+        out, lse = fa4_pair(q, k, v, offsets, lens, used_k, causal)
+        n_written = written(out, rows)
+        zeros = int((out[rows] == 0).all(dim=2).all(dim=1).sum())
+        print(f"[empty kv] FA4 causal={causal}: rows of key-less sequences {int(rows.sum())}: written {n_written}, all-zero {zeros}")
 
 
 def bench(fn):
@@ -148,7 +175,30 @@ def probe_costs():
             print(f"[cost] FA4 causal={causal} {name}: fwd {bench(fwd):.3f} ms")
     q = torch.randn(int(offsets[-1]), H, D, device="cuda", dtype=torch.bfloat16)
     keep = valid.view(-1, 1, 1)
-    print(f"[cost] memset of one [T,H,D] bf16: {bench(lambda: q.zero_()):.3f} ms; where: {bench(lambda: torch.where(keep, q, 0)):.3f} ms")
+    print(f"[cost] memset of one [T,H,D] bf16: {bench(lambda: q.zero_()):.3f} ms; where: {bench(lambda: torch.where(keep, q, 0)):.3f} ms; "
+          f"clone: {bench(lambda: q.clone()):.3f} ms")
+    from transformer_engine.pytorch.attention.dot_product_attention.gap_rows import FA4_MAX_TILE_ROWS, zero_gap_rows
+
+    c_valid = cu(LENGTHS)
+    print(f"[cost] zero_gap_rows, all unowned rows ({int((~valid).sum())}): {bench(lambda: zero_gap_rows(q, c_valid, offsets, -1)):.4f} ms; "
+          f"guard reach ({FA4_MAX_TILE_ROWS} rows/seq): {bench(lambda: zero_gap_rows(q, c_valid, offsets, FA4_MAX_TILE_ROWS)):.4f} ms; "
+          f"tail only (no gaps): {bench(lambda: zero_gap_rows(q, plain, plain, -1)):.4f} ms")
+
+
+def probe_direct_vs_op():
+    """FA4 called as the public function vs through our op, same batch, same process."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    plain, m = cu(LENGTHS), max(LENGTHS)
+    q, k, v = inputs(sum(LENGTHS))
+    for causal in (True, False):
+        with torch.no_grad():
+            direct = bench(lambda: flash_attn_varlen_func(q, k, v, cu_seqlens_q=plain, cu_seqlens_k=plain, max_seqlen_q=m, max_seqlen_k=m, causal=causal))
+        out = torch.empty_like(q)
+        lse = torch.empty(H, q.shape[0], device="cuda")
+        with_lse = bench(lambda: ops.fa4_fwd(q, k, v, out, lse, plain, plain, None, None, m, m, D ** -0.5, causal, -1, -1))
+        no_lse = bench(lambda: ops.fa4_fwd(q, k, v, out, None, plain, plain, None, None, m, m, D ** -0.5, causal, -1, -1))
+        print(f"[direct] FA4 causal={causal}: public function {direct:.3f} ms; op with lse {with_lse:.3f} ms, without {no_lse:.3f} ms")
 
 
 def probe_graph():
@@ -187,11 +237,19 @@ def probe_graph():
             return
 
 
+STEPS = {"writes": lambda: probe_writes(), "leaks": lambda: probe_leaks(), "empty_kv": lambda: probe_empty_kv(),
+         "costs": lambda: probe_costs(), "direct": lambda: probe_direct_vs_op(), "graph": lambda: probe_graph()}
+
+
 def main():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", default=",".join(STEPS))
     torch.manual_seed(0)
-    for step in (probe_writes, probe_leaks, probe_costs, probe_graph):
+    for name in ap.parse_args().steps.split(","):
         try:
-            step()
+            STEPS[name]()
         except Exception:
             traceback.print_exc()
 
