@@ -1,0 +1,90 @@
+"""Where the time goes on launch-bound batches (many short sequences): host time per call,
+the GPU kernels each path launches, and both paths replayed from a CUDA graph (GPU time only).
+
+    python benchmarks/attention/profile_small.py [--head-dims 64,128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from benchmark_attention import BATCHES, ONLY, Env, bench, cudnn_direct, dpa_thd, fa4_direct
+
+
+def host_us(step, n=50) -> float:
+    """Host microseconds per call, the GPU allowed to catch up only at the end."""
+    step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        step()
+    host = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def graphed_ms(step) -> float:
+    """Median ms of one replay of ``step`` captured in a CUDA graph (no host work at all)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return bench(graph.replay)
+
+
+def steps(fwd, inputs):
+    out = fwd()
+    g = torch.randn_like(out)
+
+    def fwd_only():
+        with torch.no_grad():
+            fwd()
+
+    def fwd_bwd():
+        for t in inputs:
+            t.grad = None
+        fwd().backward(g)
+
+    return {"fwd": fwd_only, "fwd+bwd": fwd_bwd}
+
+
+def kernels(step, n=5) -> str:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--head-dims", default="64,128")
+    args = ap.parse_args()
+    lengths = BATCHES["many-short"]
+    for d in [int(x) for x in args.head_dims.split(",")]:
+        for causal in (True, False):
+            mask = "padding_causal" if causal else "padding"
+            for lib, direct in (("FA4", fa4_direct), ("cuDNN", cudnn_direct)):
+                with Env(ONLY[lib]):
+                    paths = {"direct": steps(*direct(lengths, d, causal)), "DPA": steps(*dpa_thd(lengths, d, mask)[:2])}
+                    for tag in ("fwd", "fwd+bwd"):
+                        line = []
+                        for name, s in paths.items():
+                            line.append(f"{name}: host {host_us(s[tag]):.0f} us, eager {bench(s[tag]):.3f} ms, graphed {graphed_ms(s[tag]):.3f} ms")
+                        print(f"[small] {lib} d={d} {mask} {tag}: " + "; ".join(line), flush=True)
+                    if d == 64 and causal and os.getenv("PROFILE_KERNELS", "1") == "1":
+                        for name, s in paths.items():
+                            print(f"[kernels] {lib} d={d} {mask} fwd+bwd {name}\n{kernels(s['fwd+bwd'])}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
