@@ -75,11 +75,15 @@ def main():
             mask = "padding_causal" if causal else "padding"
             for lib, direct in (("FA4", fa4_direct), ("cuDNN", cudnn_direct)):
                 with Env(ONLY[lib]):
-                    paths = {"direct": steps(*direct(lengths, d, causal)), "DPA": steps(*dpa_thd(lengths, d, mask)[:2])}
+                    build = {"direct": lambda: steps(*direct(lengths, d, causal)), "DPA": lambda: steps(*dpa_thd(lengths, d, mask)[:2])}
+                    paths = {name: make() for name, make in build.items()}
                     for tag in ("fwd", "fwd+bwd"):
                         line = []
                         for name, s in paths.items():
-                            line.append(f"{name}: host {host_us(s[tag]):.0f} us, eager {bench(s[tag]):.3f} ms, graphed {graphed_ms(s[tag]):.3f} ms")
+                            # Fresh leaves for the capture: gradient accumulators made by eager
+                            # runs on the default stream would make the capture touch that stream.
+                            line.append(f"{name}: host {host_us(s[tag]):.0f} us, eager {bench(s[tag]):.3f} ms, "
+                                        f"graphed {graphed_ms(build[name]()[tag]):.3f} ms")
                         print(f"[small] {lib} d={d} {mask} {tag}: " + "; ".join(line), flush=True)
                     if d == 64 and causal and os.getenv("PROFILE_KERNELS", "1") == "1":
                         for name, s in paths.items():
