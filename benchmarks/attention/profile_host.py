@@ -38,7 +38,7 @@ def step_of(fwd, inputs):
     return step
 
 
-def top(step, n=100, rows=25) -> str:
+def top(step, n=100, rows=25, sort="tottime") -> str:
     step()
     prof = cProfile.Profile()
     prof.enable()
@@ -47,7 +47,7 @@ def top(step, n=100, rows=25) -> str:
     prof.disable()
     torch.cuda.synchronize()
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(rows)
+    pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(rows)
     return buf.getvalue()
 
 
@@ -82,6 +82,11 @@ def main():
             stats1 = torch.cuda.memory_stats()
             mallocs = {k: stats1.get(k, 0) - stats0.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
             print(f"[phase] {name}: fwd no-grad {nograd:.0f} us, fwd with grad {withgrad:.0f} us, backward {bwd:.0f} us; allocator {mallocs}")
+        def dpa_fwd():
+            with torch.no_grad():
+                fwd()
+
+        print("[profile] DPA forward, cumulative\n" + top(dpa_fwd, rows=45, sort="cumtime"))
         print("[profile] direct\n" + top(direct))
         print("[profile] DPA\n" + top(dpa))
 
