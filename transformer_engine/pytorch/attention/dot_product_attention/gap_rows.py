@@ -28,6 +28,7 @@ is also the reference the kernel is tested against.
 from __future__ import annotations
 
 import functools
+
 import torch
 
 # The largest tile FA4 loads along the sequence (its m/n blocks are at most 256 rows on sm90
