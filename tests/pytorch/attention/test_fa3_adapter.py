@@ -1,7 +1,8 @@
 """FA3 (flash_attn_interface) cannot be installed on the lent GPU, so its adapter is checked on
 the CPU against a stand-in module that follows FA3's documented varlen interface: physical
 offsets as cu_seqlens, valid lengths as seqused_q/k, bottom-right causal, (left, right) windows,
-and rows it skips left unwritten (NaN here). Results must equal the unfused backend."""
+rows it skips left unwritten (NaN here), and whole-tile reads past each sequence end (so NaN in
+a gap leaks unless the guard zeroes those rows). Results must equal the unfused backend."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from .packing import make_thd
 from .reference import allowed_matrix, attend_one
 
 H, D = 4, 8
+TILE = 16  # the stand-in's tile along the sequence
 
 
 def _fake_fa3(calls):
@@ -39,7 +41,10 @@ def _fake_fa3(calls):
                 continue
             window = None if tuple(window_size) == (-1, -1) else window_size
             allowed = allowed_matrix(n, m, "padding_causal_bottom_right" if causal else "padding", window)
-            parts.append(attend_one(q[start:cursor], k[kv_start:kv_start + m], v[kv_start:kv_start + m], allowed, softmax_scale))
+            o = attend_one(q[start:cursor], k[kv_start:kv_start + m], v[kv_start:kv_start + m], allowed, softmax_scale)
+            # Like FA3, read V up to the end of the last tile: P is 0 there, and 0 * NaN = NaN.
+            spill = v[kv_start + m : kv_start + -(-m // TILE) * TILE].double()
+            parts.append(o + 0 * spill.sum())
         parts.append(torch.full((q.shape[0] - cursor, *q.shape[1:]), float("nan"), dtype=q.dtype))
         return torch.cat(parts).to(q.dtype)
 
@@ -77,3 +82,19 @@ def test_fa3_varlen_mapping_matches_unfused(case, monkeypatch):
     if case == "per-seq-gaps":
         assert [(c["causal"], c["window_size"]) for c in calls] == [(True, (-1, -1)), (False, (2, 1))]
         assert calls[0]["seqused_q"].tolist() == [5, 0, 7, 0] and calls[1]["seqused_q"].tolist() == [0, 3, 0, 4]
+
+
+def test_fa3_gap_guard_has_teeth(monkeypatch):
+    """Without the guard the stand-in leaks gap NaN into valid rows, as FA3 would; with the copy
+    guard the inputs stay untouched and the result is finite."""
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", _fake_fa3([]))
+    monkeypatch.setattr(dpa_module, "require_backend", lambda params: BackendSelection(FlashAttentionV3, ()))
+    dpa = DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding_causal")
+    p = make_thd([5, 3, 7, 4], gaps_q=[2, 0, 3, 1], h=H, d=D, tail=2)
+    monkeypatch.setenv("NVTE_FLASH_ATTN_SANITIZE_GAPS", "0")
+    assert torch.isnan(dpa(p.q, p.k, p.v, **p.kwargs(True, 7, 7, shared=True))[p.valid_q]).any()
+    monkeypatch.setenv("NVTE_FLASH_ATTN_SANITIZE_GAPS", "copy")
+    out = dpa(p.q, p.k, p.v, **p.kwargs(True, 7, 7, shared=True))
+    assert torch.isfinite(out).all() and torch.isnan(p.v.detach()[~p.valid_kv]).all()
+    out.backward(torch.randn_like(out))
+    assert torch.isfinite(p.v.grad).all() and torch.all(p.v.grad[~p.valid_kv] == 0)

@@ -11,6 +11,7 @@ between sequences, the tail, other policies' rows) come out exactly 0, forward a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import ClassVar, List, Optional, Sequence, Tuple
@@ -140,7 +141,7 @@ class _KernelAttention(torch.autograd.Function):
 
 
 def _gap_guard(plan: Optional[VarlenPlan], kernel) -> str:
-    """How FA4's NaN guard runs for this call: "inplace" (default), "copy" or "off".
+    """How the NaN guard of FA4 (and FA3) runs for this call: "inplace" (default), "copy", "off".
 
     FA4 loads whole tiles, so the rows just past a sequence end enter its products with weight
     0, and 0 * NaN = NaN: NaN in a gap would leak into valid rows (seen on the H200). The guard
@@ -169,14 +170,18 @@ def _zero_spill_rows(inp: AttentionInputs, q, k, v):
     return q, k, v
 
 
+def _zero_spill_rows_in_place(inp: AttentionInputs) -> None:
+    with torch.no_grad():
+        _zero_spill_rows(inp, inp.q.detach(), inp.k.detach(), inp.v.detach())
+    # The eager kernel writes through raw pointers; tell autograd the tensors changed, so a node
+    # that saved one of them before this call fails loudly instead of using the new values.
+    torch.autograd.graph.increment_version([inp.q, inp.k, inp.v])
+
+
 def _run_kernel(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan]) -> torch.Tensor:
     guard = _gap_guard(plan, kernel)
     if guard == "inplace":
-        with torch.no_grad():
-            _zero_spill_rows(inp, inp.q.detach(), inp.k.detach(), inp.v.detach())
-        # The eager kernel writes through raw pointers; tell autograd the tensors changed, so a
-        # node that saved one of them before this call fails loudly instead of using new values.
-        torch.autograd.graph.increment_version([inp.q, inp.k, inp.v])
+        _zero_spill_rows_in_place(inp)
     # Without gradients FA4 may skip its log-sum-exp (``needs_input_grad`` ignores no_grad).
     need_stats = torch.is_grad_enabled() and any(t.requires_grad for t in (inp.q, inp.k, inp.v))
     return _KernelAttention.apply(inp.q, inp.k, inp.v, kernel, inp, plan, guard, need_stats)
@@ -308,6 +313,7 @@ class FlashAttentionV3(FlashAttention):
     COMPUTE_CAPABILITY_MAJORS = frozenset({9})
     SUPPORTS_PAD_BETWEEN_SEQS = True
     SUPPORTS_PER_SEQ_POLICY = True
+    SANITIZE_GAPS = True  # whole-tile reads, like FA4
 
     @staticmethod
     def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
@@ -317,7 +323,22 @@ class FlashAttentionV3(FlashAttention):
             causal, left, right = fa_mask_args(inp.mask)
             return _first(fa3.flash_attn_func(inp.q, inp.k, inp.v, softmax_scale=inp.softmax_scale, causal=causal,
                                               window_size=(left, right), deterministic=torch.are_deterministic_algorithms_enabled()))
-        return _run_library_varlen(inp, plan_varlen(inp), _fa3_varlen_call)
+        plan = plan_varlen(inp)
+        return _run_library_varlen(_guard_library_inputs(inp, plan, FlashAttentionV3), plan, _fa3_varlen_call)
+
+
+def _guard_library_inputs(inp: AttentionInputs, plan: VarlenPlan, backend) -> AttentionInputs:
+    """FA4's NaN guard (see ``_gap_guard``) for a library with its own autograd: FA3 reads whole
+    tiles too. The copy variant clones under autograd, so gradients still reach the inputs."""
+    guard = _gap_guard(plan, backend)
+    if guard == "inplace":
+        _zero_spill_rows_in_place(inp)
+    elif guard == "copy":
+        copies = [t.clone() for t in (inp.q, inp.k, inp.v)]
+        with torch.no_grad():
+            _zero_spill_rows(inp, *(t.detach() for t in copies))
+        inp = dataclasses.replace(inp, q=copies[0], k=copies[1], v=copies[2])
+    return inp
 
 
 def _fa3_varlen_call(q, k, v, inp: AttentionInputs, plan: VarlenPlan, call: VarlenCall):
