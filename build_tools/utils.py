@@ -22,6 +22,7 @@ OPTIONAL_DEPENDENCIES = {
     "cudnn": ["nvidia-cudnn-frontend>=1.10"],
     "fa4": ["flash-attn-4"],
     "fa2": ["flash-attn>=2.1"],
-    "test": ["pytest>=7", "hypothesis>=6", "triton>=3.2"],  # triton: its CPU interpreter checks the gap-row kernel
+    # triton (+ numpy, which its CPU interpreter needs): the gap-row kernel is tested without a GPU
+    "test": ["pytest>=7", "hypothesis>=6", "triton>=3.2", "numpy"],
     "bench": ["matplotlib>=3.7"],
 }
