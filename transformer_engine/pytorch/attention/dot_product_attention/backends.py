@@ -452,6 +452,8 @@ class _CudnnKernel:
 
     @staticmethod
     def forward(q, k, v, inp, plan, calls, need_stats):
+        # need_stats is not used: the graphs always generate stats (an inference variant would be
+        # a second cached graph per configuration, for a store of [B, H, SQ] floats).
         results = [ops.cudnn_fwd(q, k, v, *_CudnnKernel._args(inp, plan, call)) for call in calls]
         if len(results) == 1:
             return results[0][0], [results[0][1]]
