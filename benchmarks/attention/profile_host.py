@@ -13,29 +13,8 @@ import time
 
 import torch
 
-from benchmark_attention import BATCHES, ONLY, Env, dpa_thd, fa4_direct
-
-
-def per_call_us(fn, n=200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return us
-
-
-def step_of(fwd, inputs):
-    g = torch.randn_like(fwd())
-
-    def step():
-        for t in inputs:
-            t.grad = None
-        fwd().backward(g)
-
-    return step
+from benchmark_attention import BATCHES, ONLY, Env, cu, dpa_thd, fa4_direct
+from profile_small import host_us, steps
 
 
 def top(step, n=100, rows=25, sort="tottime") -> str:
@@ -51,44 +30,42 @@ def top(step, n=100, rows=25, sort="tottime") -> str:
     return buf.getvalue()
 
 
+def phases(name, fwd, inputs) -> None:
+    """Host time of the forward (with and without grad) and of the backward alone."""
+    g = torch.randn_like(fwd())
+    nograd = host_us(steps(fwd, inputs)["fwd"], n=200)
+    withgrad = host_us(fwd, n=200)
+    outs = [fwd() for _ in range(200)]
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for o in outs:
+        o.backward(g)
+    bwd = (time.perf_counter() - t) / len(outs) * 1e6
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
+    steps(fwd, inputs)["fwd+bwd"]()
+    after = torch.cuda.memory_stats()
+    mallocs = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+    print(f"[phase] {name}: fwd no-grad {nograd:.0f} us, fwd with grad {withgrad:.0f} us, backward {bwd:.0f} us; allocator {mallocs}")
+
+
 def main():
     from transformer_engine.pytorch.attention.dot_product_attention.gap_rows import zero_gap_rows
 
     lengths = BATCHES["many-short"]
     with Env(ONLY["FA4"]):
-        direct = step_of(*fa4_direct(lengths, 64, True))
+        direct_fwd, direct_inputs = fa4_direct(lengths, 64, True)
         fwd, inputs, _ = dpa_thd(lengths, 64, "padding_causal")
-        dpa = step_of(fwd, inputs)
-        print(f"[host] step direct {per_call_us(direct):.0f} us, DPA {per_call_us(dpa):.0f} us")
-        x = inputs[0].detach()
-        c = torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(len(lengths))], dtype=torch.int32, device="cuda")
-        print(f"[host] zero_gap_rows {per_call_us(lambda: zero_gap_rows(x, c, c, -1)):.1f} us; "
-              f"torch.empty {per_call_us(lambda: torch.empty_like(x)):.1f} us")
-        for name, (f, ins) in (("direct", fa4_direct(lengths, 64, True)), ("DPA", (fwd, inputs))):
-            out = f()
-            g = torch.randn_like(out)
-            with torch.no_grad():
-                nograd = per_call_us(f)
-            withgrad = per_call_us(f)
-            outs = [f() for _ in range(200)]
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for o in outs:
-                o.backward(g)
-            bwd = (time.perf_counter() - t) / len(outs) * 1e6
-            torch.cuda.synchronize()
-            stats0 = torch.cuda.memory_stats()
-            step_of(f, ins)()
-            stats1 = torch.cuda.memory_stats()
-            mallocs = {k: stats1.get(k, 0) - stats0.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
-            print(f"[phase] {name}: fwd no-grad {nograd:.0f} us, fwd with grad {withgrad:.0f} us, backward {bwd:.0f} us; allocator {mallocs}")
-        def dpa_fwd():
-            with torch.no_grad():
-                fwd()
-
-        print("[profile] DPA forward, cumulative\n" + top(dpa_fwd, rows=45, sort="cumtime"))
-        print("[profile] direct\n" + top(direct))
-        print("[profile] DPA\n" + top(dpa))
+        direct, dpa = steps(direct_fwd, direct_inputs), steps(fwd, inputs)
+        print(f"[host] step direct {host_us(direct['fwd+bwd'], n=200):.0f} us, DPA {host_us(dpa['fwd+bwd'], n=200):.0f} us")
+        x, c = inputs[0].detach(), cu(lengths)
+        print(f"[host] zero_gap_rows {host_us(lambda: zero_gap_rows(x, c, c, -1), n=200):.1f} us; "
+              f"torch.empty {host_us(lambda: torch.empty_like(x), n=200):.1f} us")
+        phases("direct", direct_fwd, direct_inputs)
+        phases("DPA", fwd, inputs)
+        print("[profile] DPA forward, cumulative\n" + top(dpa["fwd"], rows=45, sort="cumtime"))
+        print("[profile] direct\n" + top(direct["fwd+bwd"]))
+        print("[profile] DPA\n" + top(dpa["fwd+bwd"]))
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def plan_varlen(inp: AttentionInputs) -> VarlenPlan:
     return VarlenPlan(pq.offsets, pk.offsets, calls, gaps)
 
 
-def row_owner(p: PackedSeqs, seq_policy: Optional[torch.Tensor]) -> torch.Tensor:
+def _row_owner(p: PackedSeqs, seq_policy: Optional[torch.Tensor]) -> torch.Tensor:
     """[T] int64: the policy of each row's sequence (0 without policies), -1 where no sequence lives."""
     if p.batch_size == 0:
         return torch.full((p.total_tokens,), -1, dtype=torch.int64, device=p.offsets.device)
@@ -81,7 +81,7 @@ def row_owner(p: PackedSeqs, seq_policy: Optional[torch.Tensor]) -> torch.Tensor
 
 def _owners(inp: AttentionInputs) -> Tuple[torch.Tensor, torch.Tensor]:
     seq_policy = inp.policies.policy_of_seq if inp.policies is not None else None
-    return row_owner(inp.packed_q, seq_policy), row_owner(inp.packed_kv, seq_policy)
+    return _row_owner(inp.packed_q, seq_policy), _row_owner(inp.packed_kv, seq_policy)
 
 
 def combine_rows(owner: torch.Tensor, parts: Sequence[Tuple[int, torch.Tensor]]) -> torch.Tensor:
