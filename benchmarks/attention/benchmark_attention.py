@@ -133,7 +133,7 @@ def cudnn_direct(lengths, d, causal):
         @staticmethod
         def backward(ctx, grad):
             q, k, v, o, stats = ctx.saved_tensors
-            return gpu_ops.cudnn_bwd(grad.contiguous(), q, k, v, o, stats, *args, False)
+            return gpu_ops.cudnn_bwd(grad.contiguous(), q, k, v, o, stats, *args, False)[:3]
 
     return (lambda: Fn.apply(*inputs)), inputs
 

@@ -34,6 +34,8 @@ run_file test_per_seq_policy.py
 run_file test_packed_qkv.py
 run_file test_multi_head_attention.py
 run_file test_gpu_backends.py
+run_file test_gpu_cudnn_features.py
+run_file test_cudnn_wiring.py
 run_file test_fa3_adapter.py
 run_file test_gap_rows.py
 run_file test_qa_list.py

@@ -118,26 +118,51 @@ def fa_mask_args(spec: MaskSpec) -> Tuple[bool, int, int]:
     return False, left, right
 
 
+@dataclass
+class ScoreFeatures:
+    """What a kernel adds on the way from scores to output: a post-scale ``bias`` (already in
+    the inputs' dtype), ALiBi, and dropout with its Philox ``rng`` (int64 [seed, offset], drawn
+    once per forward from torch's generator and reused by the backward, so both see one mask)."""
+
+    bias: Optional[torch.Tensor] = None
+    alibi: bool = False
+    dropout_p: float = 0.0
+    rng: Optional[torch.Tensor] = None
+
+    def cudnn_args(self) -> tuple:
+        return self.bias, self.rng, self.alibi, self.dropout_p
+
+
+def _draw_rng(device: torch.device) -> torch.Tensor:
+    # On the device, from torch's generator: no host sync, CUDA graphs capture it, and
+    # torch.manual_seed makes a run repeatable.
+    return torch.randint(0, 1 << 62, (2,), dtype=torch.int64, device=device)
+
+
 class _KernelAttention(torch.autograd.Function):
     """FA4 and cuDNN through their custom ops; ``kernel`` translates the arguments and decides
     how the calls of several policies are combined (see each kernel class)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel, inp: AttentionInputs, plan: Optional[VarlenPlan], guard: str, need_stats: bool):
+    def forward(ctx, q, k, v, bias, kernel, inp: AttentionInputs, plan: Optional[VarlenPlan], guard: str, need_stats: bool,
+                features: ScoreFeatures):
         if guard == "copy":
             q, k, v = _zero_spill_rows(inp, *(t.clone() for t in (q, k, v)))
-        out, stats = kernel.forward(q, k, v, inp, plan, _calls(inp, plan), need_stats)
-        ctx.kernel, ctx.inp, ctx.plan = kernel, inp, plan
+        features = dataclasses.replace(features, bias=bias, rng=_draw_rng(q.device) if features.dropout_p > 0 else None)
+        out, stats = kernel.forward(q, k, v, features, inp, plan, _calls(inp, plan), need_stats)
+        ctx.kernel, ctx.inp, ctx.plan, ctx.features = kernel, inp, plan, dataclasses.replace(features, bias=None, rng=None)
         if need_stats:
-            ctx.save_for_backward(q, k, v, out, *stats)
+            ctx.save_for_backward(q, k, v, out, bias, features.rng, *stats)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, *stats = ctx.saved_tensors
+        q, k, v, out, bias, rng, *stats = ctx.saved_tensors
         dout = dout if dout.stride() == out.stride() else dout.contiguous()
-        dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out, stats, ctx.inp, ctx.plan, _calls(ctx.inp, ctx.plan))
-        return dq, dk, dv, None, None, None, None, None
+        features = dataclasses.replace(ctx.features, bias=bias, rng=rng)
+        dq, dk, dv, dbias = ctx.kernel.backward(dout, q, k, v, out, stats, features, ctx.needs_input_grad[3], ctx.inp, ctx.plan,
+                                                _calls(ctx.inp, ctx.plan))
+        return dq, dk, dv, dbias, None, None, None, None, None, None
 
 
 def _gap_guard(plan: Optional[VarlenPlan], kernel) -> str:
@@ -178,13 +203,15 @@ def _zero_spill_rows_in_place(inp: AttentionInputs) -> None:
     torch.autograd.graph.increment_version([inp.q, inp.k, inp.v])
 
 
-def _run_kernel(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan]) -> torch.Tensor:
+def _run_kernel(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan], training: bool) -> torch.Tensor:
     guard = _gap_guard(plan, kernel)
     if guard == "inplace":
         _zero_spill_rows_in_place(inp)
+    bias = inp.bias.to(inp.q.dtype).contiguous() if inp.bias_type == "post_scale_bias" else None
     # Without gradients FA4 may skip its log-sum-exp (``needs_input_grad`` ignores no_grad).
-    need_stats = torch.is_grad_enabled() and any(t.requires_grad for t in (inp.q, inp.k, inp.v))
-    return _KernelAttention.apply(inp.q, inp.k, inp.v, kernel, inp, plan, guard, need_stats)
+    need_stats = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (inp.q, inp.k, inp.v, bias))
+    features = ScoreFeatures(alibi=inp.bias_type == "alibi", dropout_p=inp.dropout_p if training else 0.0)
+    return _KernelAttention.apply(inp.q, inp.k, inp.v, bias, kernel, inp, plan, guard, need_stats, features)
 
 
 def _calls(inp: AttentionInputs, plan: Optional[VarlenPlan]) -> List[VarlenCall]:
@@ -211,9 +238,7 @@ class UnfusedDotProductAttention(BackendSupport):
 
     @classmethod
     def _check_special(cls, params, libs):
-        if params.qkv_format == "thd" and params.core_attention_bias_type in ("pre_scale_bias", "post_scale_bias"):
-            return [Reason("core_attention_bias_type", f"{params.core_attention_bias_type} with thd", "no_bias or alibi with thd (a bias tensor has no packed layout)")]
-        return []
+        return _bias_thd_reasons(params)
 
     @staticmethod
     def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
@@ -257,7 +282,7 @@ class FlashAttentionV4(FlashAttention):
 
     @staticmethod
     def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
-        return _run_kernel(_FA4Kernel, inp, plan_varlen(inp) if inp.is_thd else None)
+        return _run_kernel(_FA4Kernel, inp, plan_varlen(inp) if inp.is_thd else None, training)
 
 
 class _FA4Kernel:
@@ -272,7 +297,7 @@ class _FA4Kernel:
     SANITIZE_GAPS = True
 
     @staticmethod
-    def forward(q, k, v, inp, plan, calls, need_lse):
+    def forward(q, k, v, features, inp, plan, calls, need_lse):  # features: none declared (no bias, ALiBi, dropout)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         lse = None
         if need_lse:  # without it FA4 runs its inference variant (no LSE store)
@@ -285,7 +310,7 @@ class _FA4Kernel:
         return out, [lse]
 
     @staticmethod
-    def backward(dout, q, k, v, out, stats, inp, plan, calls):
+    def backward(dout, q, k, v, out, stats, features, need_dbias, inp, plan, calls):
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
         for call in calls:
             ops.fa4_bwd(dout, q, k, v, out, stats[0], dq, dk, dv, *_FA4Kernel._varlen(inp, plan, call),
@@ -294,7 +319,7 @@ class _FA4Kernel:
             for grad, packed, offsets in ((dq, inp.packed_q, plan.offsets_q), (dk, inp.packed_kv, plan.offsets_kv),
                                           (dv, inp.packed_kv, plan.offsets_kv)):
                 ops.zero_gap_rows(grad, packed.cu_seqlens, offsets, -1)
-        return dq, dk, dv
+        return dq, dk, dv, None
 
     @staticmethod
     def _varlen(inp: AttentionInputs, plan: Optional[VarlenPlan], call: VarlenCall):
@@ -423,21 +448,55 @@ class FusedAttention(BackendSupport):
     MAX_HEAD_DIM = 256
     SUPPORTS_PAD_BETWEEN_SEQS = True
     SUPPORTS_PER_SEQ_POLICY = True
-    NOTES = {
-        "attention_dropout": "cuDNN dropout (seed/offset tensors) is not wired into this backend yet",
-        "core_attention_bias_type": "cuDNN bias and ALiBi are not wired into this backend yet",
-    }
+    SUPPORTS_DROPOUT = True
+    SUPPORTED_BIAS_TYPES = frozenset({"no_bias", "post_scale_bias", "alibi"})
+    NOTES = {"core_attention_bias_type": "cuDNN adds a bias after scaling only"}
 
     @classmethod
     def _check_special(cls, params, libs):
         cc = params.compute_capability
+        out = []
         if cc is not None and cc[0] == 8 and max(params.head_dim_qk, params.head_dim_v) > 128:
-            return [Reason("head_dim_qk", str(params.head_dim_qk), "<= 128 on sm8x")]
-        return []
+            out.append(Reason("head_dim_qk", str(params.head_dim_qk), "<= 128 on sm8x"))
+        return out + _bias_thd_reasons(params) + _cudnn_feature_reasons(params)
 
     @staticmethod
     def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
-        return _run_kernel(_CudnnKernel, inp, plan_varlen(inp) if inp.is_thd else None)
+        return _run_kernel(_CudnnKernel, inp, plan_varlen(inp) if inp.is_thd else None, training)
+
+
+def _bias_thd_reasons(params) -> List[Reason]:
+    if params.qkv_format == "thd" and params.core_attention_bias_type in ("pre_scale_bias", "post_scale_bias"):
+        return [Reason("core_attention_bias_type", f"{params.core_attention_bias_type} with thd",
+                       "no_bias or alibi with thd (a bias tensor has no packed layout)")]
+    return []
+
+
+def _cudnn_feature_reasons(params) -> List[Reason]:
+    """cuDNN's rules for bias, ALiBi and dropout (cudnn-frontend's SDPA validation)."""
+    alibi = params.core_attention_bias_type == "alibi"
+    features = [name for name, on in (("a bias", params.core_attention_bias_type == "post_scale_bias"), ("ALiBi", alibi),
+                                      ("dropout", params.attention_dropout > 0 and params.is_training)) if on]
+    if not features:
+        return []
+    out = []
+    for spec in params.mask_specs:
+        # Bottom-right bands cannot carry them; where sq == skv the band runs top-left instead.
+        if spec.mask_type.bottom_right and spec.has_band and not params.same_lengths:
+            out.append(Reason("attn_mask_type", f"{spec.mask_type.value} with {' and '.join(features)}",
+                              "top-left masks, or sq == skv known for every sequence"))
+        if alibi and spec.right != 0:
+            out.append(Reason("attn_mask_type", f"{spec.mask_type.value}, window {spec.window} with alibi",
+                              "causal masks (cuDNN's ALiBi needs a right bound of 0)"))
+    if alibi and params.alibi_slopes_shape is not None:
+        out.append(Reason("alibi_slopes", f"shape {params.alibi_slopes_shape}", "None (cuDNN computes the standard slopes)"))
+    if alibi and not params.same_lengths:
+        # cuDNN's ALiBi is slope * (j - i) under its causal mask; the reference's
+        # -slope * |j - i - (skv - sq)| agrees with it (up to a per-row constant, which softmax
+        # drops) where sq == skv.
+        out.append(Reason("sequence lengths", "sq != skv possible with alibi",
+                          "sq == skv for every sequence (self-attention sharing cu_seqlens, or dense without padding)"))
+    return out
 
 
 class _CudnnKernel:
@@ -451,10 +510,10 @@ class _CudnnKernel:
     SANITIZE_GAPS = False
 
     @staticmethod
-    def forward(q, k, v, inp, plan, calls, need_stats):
+    def forward(q, k, v, features, inp, plan, calls, need_stats):
         # need_stats is not used: the graphs always generate stats (an inference variant would be
         # a second cached graph per configuration, for a store of [B, H, SQ] floats).
-        results = [ops.cudnn_fwd(q, k, v, *_CudnnKernel._args(inp, plan, call)) for call in calls]
+        results = [ops.cudnn_fwd(q, k, v, *_CudnnKernel._args(inp, plan, call), *features.cudnn_args()) for call in calls]
         if len(results) == 1:
             return results[0][0], [results[0][1]]
         owner_q, _ = _owners(inp)
@@ -462,20 +521,24 @@ class _CudnnKernel:
         return out, [s for _, s in results]
 
     @staticmethod
-    def backward(dout, q, k, v, out, stats, inp, plan, calls):
+    def backward(dout, q, k, v, out, stats, features, need_dbias, inp, plan, calls):
         det = torch.are_deterministic_algorithms_enabled()
-        grads = [ops.cudnn_bwd(dout, q, k, v, out, st, *_CudnnKernel._args(inp, plan, call), det) for call, st in zip(calls, stats)]
+        grads = [ops.cudnn_bwd(dout, q, k, v, out, st, *_CudnnKernel._args(inp, plan, call), det, *features.cudnn_args(), need_dbias)
+                 for call, st in zip(calls, stats)]
+        dbias = grads[0][3] if need_dbias else None  # a bias never meets per-sequence policies
         if len(grads) == 1:
-            return grads[0]
+            return (*grads[0][:3], dbias)
         owner_q, owner_kv = _owners(inp)
-        return tuple(combine_rows(owner, [(call.policy, g[i]) for call, g in zip(calls, grads)])
-                     for i, owner in ((0, owner_q), (1, owner_kv), (2, owner_kv)))
+        return (*(combine_rows(owner, [(call.policy, g[i]) for call, g in zip(calls, grads)])
+                  for i, owner in ((0, owner_q), (1, owner_kv), (2, owner_kv))), dbias)
 
     @staticmethod
     def _args(inp: AttentionInputs, plan: Optional[VarlenPlan], call: VarlenCall):
         causal = call.spec.mask_type.is_causal
         left, right = call.spec.window
-        bottom_right = call.spec.mask_type.bottom_right and call.spec.has_band
+        # Where every sequence has sq == skv the two alignments coincide; top-left is the one cuDNN
+        # combines with bias, ALiBi and dropout.
+        bottom_right = call.spec.mask_type.bottom_right and call.spec.has_band and not same_lengths(inp)
         if plan is None:
             b, sq, skv = inp.q.shape[0], inp.q.shape[1], inp.k.shape[1]
             lens = (None, None)
@@ -487,6 +550,14 @@ class _CudnnKernel:
         len_kv = call.seqused_kv if call.seqused_kv is not None else pk.seqlens()
         return (plan.offsets_q, plan.offsets_kv, len_q, len_kv, pq.batch_size, pq.max_seqlen, pk.max_seqlen,
                 inp.softmax_scale, causal, left, right, bottom_right)
+
+
+def same_lengths(inp: AttentionInputs) -> bool:
+    """Whether every sequence is known to have sq == skv (the tensor side of
+    ``AttentionParams.same_lengths``)."""
+    if inp.is_thd:
+        return inp.packed_q.cu_seqlens is inp.packed_kv.cu_seqlens
+    return inp.q.shape[1] == inp.k.shape[1] and inp.q_valid is None and inp.kv_valid is None
 
 
 def _dense_lengths(valid: Optional[torch.Tensor], b: int, s: int, device) -> torch.Tensor:

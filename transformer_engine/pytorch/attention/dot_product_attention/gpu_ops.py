@@ -142,7 +142,8 @@ def _(dout, q, k, v, out, lse, dq, dk, dv, *args) -> None:
 
 # ------------------------------------------------------------------ cuDNN (nvidia-cudnn-frontend)
 
-_UID = dict(q=1, k=2, v=3, o=4, stats=5, do=6, dq=7, dk=8, dv=9, len_q=10, len_kv=11, rq=12, rk=13, rv=14, ro=15, rdq=16, rdk=17, rdv=18, rdo=19)
+_UID = dict(q=1, k=2, v=3, o=4, stats=5, do=6, dq=7, dk=8, dv=9, len_q=10, len_kv=11, rq=12, rk=13, rv=14, ro=15, rdq=16, rdk=17, rdv=18, rdo=19,
+            bias=20, dbias=21, seed=22, offset=23)
 _graphs: Dict[tuple, tuple] = {}
 _graph_lock = threading.Lock()
 _handles = threading.local()
@@ -248,7 +249,7 @@ def _new_graph(dtype, handle):
     )
 
 
-def _build_fwd(handle, q, k, v, o, b, sq, skv, scale, band, varlen, padded):
+def _build_fwd(handle, q, k, v, o, b, sq, skv, scale, band, varlen, padded, features):
     import cudnn
 
     g = _new_graph(q.dtype, handle)
@@ -267,6 +268,7 @@ def _build_fwd(handle, q, k, v, o, b, sq, skv, scale, band, varlen, padded):
         seq_len_q=t.get("len_q"),
         seq_len_kv=t.get("len_kv"),
         **band,
+        **_feature_kwargs(g, *features),
     )
     dims, strides = _desc(o, varlen, sq)
     if varlen:
@@ -281,6 +283,39 @@ def _build_fwd(handle, q, k, v, o, b, sq, skv, scale, band, varlen, padded):
 
 def _band_key(band: dict) -> tuple:
     return tuple(sorted((n, str(x)) for n, x in band.items()))
+
+
+def _feature_kwargs(g, bias: Optional[torch.Tensor], alibi: bool, dropout_p: float) -> dict:
+    """sdpa / sdpa_backward arguments for a post-scale bias, ALiBi and dropout."""
+    import cudnn
+
+    kwargs = {}
+    if bias is not None:
+        kwargs["bias"] = g.tensor(name="bias", dim=list(bias.shape), stride=list(bias.stride()), data_type=_dtype(bias.dtype),
+                                  uid=_UID["bias"])
+    if alibi:
+        kwargs["use_alibi_mask"] = True
+    if dropout_p > 0:
+        seed, offset = (g.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT64, uid=_UID[n])
+                        for n in ("seed", "offset"))
+        kwargs["dropout"] = (dropout_p, seed, offset)
+    return kwargs
+
+
+def _feature_pack(bias: Optional[torch.Tensor], rng: Optional[torch.Tensor], dropout_p: float) -> dict:
+    """The device tensors behind :func:`_feature_kwargs`; ``rng`` is int64 [seed, offset]."""
+    pack = {}
+    if bias is not None:
+        pack[_UID["bias"]] = bias
+    if dropout_p > 0:
+        if rng is None or rng.numel() != 2:
+            raise ValueError("cuDNN dropout needs rng = int64 [seed, offset] on the device")
+        pack[_UID["seed"]], pack[_UID["offset"]] = rng[0:1].view(1, 1, 1, 1), rng[1:2].view(1, 1, 1, 1)
+    return pack
+
+
+def _feature_key(bias: Optional[torch.Tensor], alibi: bool, dropout_p: float) -> tuple:
+    return (None if bias is None else (tuple(bias.shape), bias.stride(), bias.dtype), alibi, dropout_p)
 
 
 def _run_graph(key, build, pack: dict, device) -> None:
@@ -319,19 +354,30 @@ def cudnn_fwd(
     window_left: int,
     window_right: int,
     bottom_right: bool,
+    bias: Optional[torch.Tensor] = None,
+    rng: Optional[torch.Tensor] = None,
+    alibi: bool = False,
+    dropout_p: float = 0.0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Returns out (like q, head dim of v; rows the kernel skips are 0) and stats [B, H, SQ, 1]."""
+    """Returns out (like q, head dim of v; rows the kernel skips are 0) and stats [B, H, SQ, 1].
+
+    ``bias`` [B|1, H|1, SQ, SKV] is added after scaling; ``alibi`` adds cuDNN's own ALiBi (its
+    standard slopes; needs a causal mask); ``dropout_p`` > 0 drops probabilities with the
+    Philox stream of ``rng`` (int64 [seed, offset]), which the backward must receive again."""
     varlen, padded = offsets_q is not None, seqlens_q is not None
     b, sq, skv = batch_size, max(max_seqlen_q, 1), max(max_seqlen_kv, 1)
     band = _band_kwargs(causal, window_left, window_right, bottom_right)
+    features = (bias, alibi, dropout_p)
     out = q.new_zeros(*q.shape[:-1], v.shape[-1])
     stats = q.new_empty(stats_shape(q, batch_size, max_seqlen_q), dtype=torch.float32)
     key = ("fwd", q.dtype, b, sq, skv, q.shape[1:], k.shape[1:], v.shape[1:], q.stride(), k.stride(), v.stride(),
-           out.stride(), softmax_scale, _band_key(band), varlen, padded, q.device)
+           out.stride(), softmax_scale, _band_key(band), varlen, padded, _feature_key(*features), q.device)
     pack = {_UID["q"]: q, _UID["k"]: k, _UID["v"]: v, _UID["o"]: out, _UID["stats"]: stats}
     ragged = dict(rq=(offsets_q, q), rk=(offsets_kv, k), rv=(offsets_kv, v), ro=(offsets_q, out)) if varlen else {}
     pack.update(_metadata_pack(seqlens_q, seqlens_kv, ragged))
-    _run_graph(key, lambda h: _build_fwd(h, q, k, v, out, b, sq, skv, softmax_scale, band, varlen, padded), pack, q.device)
+    pack.update(_feature_pack(bias, rng, dropout_p))
+    build = lambda h: _build_fwd(h, q, k, v, out, b, sq, skv, softmax_scale, band, varlen, padded, features)  # noqa: E731
+    _run_graph(key, build, pack, q.device)
     return out, stats
 
 
@@ -347,7 +393,7 @@ def stats_shape(q: torch.Tensor, batch_size: int, max_seqlen_q: int) -> Tuple[in
     return (batch_size, q.shape[-2], max(max_seqlen_q, 1), 1)
 
 
-def _build_bwd(handle, q, k, v, o, do, dq, dk, dv, b, sq, skv, scale, band, varlen, padded, deterministic):
+def _build_bwd(handle, q, k, v, o, do, dq, dk, dv, dbias, b, sq, skv, scale, band, varlen, padded, deterministic, features):
     import cudnn
 
     g = _new_graph(q.dtype, handle)
@@ -359,6 +405,10 @@ def _build_bwd(handle, q, k, v, o, do, dq, dk, dv, b, sq, skv, scale, band, varl
             t[name].set_ragged_offset(_ragged(g, rag, b))
     # Sizes the ragged dQ accumulator; rounded up as cuDNN's own THD path does.
     extra = dict(max_total_seq_len_q=_round64(q.shape[0]), max_total_seq_len_kv=_round64(k.shape[0])) if varlen else {}
+    extra.update(_feature_kwargs(g, *features))
+    if dbias is not None:
+        extra["dBias"] = g.tensor(name="dbias", dim=list(dbias.shape), stride=list(dbias.stride()), data_type=_dtype(dbias.dtype),
+                                  uid=_UID["dbias"])
     dq_t, dk_t, dv_t = g.sdpa_backward(
         name="sdpa_backward",
         q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["do"], stats=stats,
@@ -399,32 +449,49 @@ def cudnn_bwd(
     window_right: int,
     bottom_right: bool,
     deterministic: bool,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns dq/dk/dv (contiguous; rows the kernel skips are 0); ``dout`` needs ``out``'s strides."""
+    bias: Optional[torch.Tensor] = None,
+    rng: Optional[torch.Tensor] = None,
+    alibi: bool = False,
+    dropout_p: float = 0.0,
+    need_dbias: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns dq/dk/dv (contiguous; rows the kernel skips are 0) and dbias (like ``bias`` when
+    ``need_dbias``, else an empty tensor); ``dout`` needs ``out``'s strides. ``bias``, ``rng``,
+    ``alibi`` and ``dropout_p`` must be those of the forward."""
     varlen, padded = offsets_q is not None, seqlens_q is not None
     dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device) if need_dbias and bias is not None else None
     b, sq, skv = batch_size, max(max_seqlen_q, 1), max(max_seqlen_kv, 1)
     band = _band_kwargs(causal, window_left, window_right, bottom_right)
+    features = (bias, alibi, dropout_p)
     key = ("bwd", q.dtype, b, sq, skv, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), out.stride(),
-           dq.stride(), dk.stride(), dv.stride(), softmax_scale, _band_key(band), varlen, padded, deterministic, q.device)
+           dq.stride(), dk.stride(), dv.stride(), softmax_scale, _band_key(band), varlen, padded, deterministic,
+           _feature_key(*features), dbias is not None, q.device)
     pack = {_UID["q"]: q, _UID["k"]: k, _UID["v"]: v, _UID["o"]: out, _UID["do"]: dout, _UID["stats"]: stats,
             _UID["dq"]: dq, _UID["dk"]: dk, _UID["dv"]: dv}
+    pack.update(_feature_pack(bias, rng, dropout_p))
+    if dbias is not None:
+        pack[_UID["dbias"]] = dbias
     ragged = {}
     if varlen:
         ragged = dict(rq=(offsets_q, q), rk=(offsets_kv, k), rv=(offsets_kv, v), ro=(offsets_q, out), rdo=(offsets_q, dout),
                       rdq=(offsets_q, dq), rdk=(offsets_kv, dk), rdv=(offsets_kv, dv))
     pack.update(_metadata_pack(seqlens_q, seqlens_kv, ragged))
-    build = lambda h: _build_bwd(h, q, k, v, out, dout, dq, dk, dv, b, sq, skv, softmax_scale, band, varlen, padded, deterministic)  # noqa: E731
+    build = lambda h: _build_bwd(h, q, k, v, out, dout, dq, dk, dv, dbias, b, sq, skv, softmax_scale, band, varlen, padded,  # noqa: E731
+                                 deterministic, features)
     _run_graph(key, build, pack, q.device)
-    return dq, dk, dv
+    return dq, dk, dv, (dbias if dbias is not None else q.new_empty(0))
 
 
 _OPS["cudnn_bwd"] = torch.library.custom_op(f"{LIB}::cudnn_bwd", cudnn_bwd, mutates_args=())
 
 
 @_OPS["cudnn_bwd"].register_fake
-def _(dout, q, k, v, *args):
-    return tuple(q.new_empty(t.shape) for t in (q, k, v))
+def _(dout, q, k, v, out, stats, offsets_q, offsets_kv, seqlens_q, seqlens_kv, batch_size, max_seqlen_q, max_seqlen_kv,
+      softmax_scale, causal, window_left, window_right, bottom_right, deterministic, bias=None, rng=None, alibi=False,
+      dropout_p=0.0, need_dbias=False):
+    dbias = bias.new_empty(bias.shape) if need_dbias and bias is not None else q.new_empty(0)
+    return (*(q.new_empty(t.shape) for t in (q, k, v)), dbias)
 
 
 _EAGER = {"fa4_fwd": fa4_fwd, "fa4_bwd": fa4_bwd, "cudnn_fwd": cudnn_fwd, "cudnn_bwd": cudnn_bwd,

@@ -1,0 +1,96 @@
+"""FusedAttention's argument wiring on the CPU: the cuDNN ops are replaced by recorders, and
+DotProductAttention runs the real backend code around them. What the GPU tests cannot see
+directly is checked here: one dropout seed per forward, handed unchanged to the backward; no
+dropout in eval mode; the bias cast to the inputs' dtype and its gradient routed back; the
+bottom-right band sent top-left where both alignments are the same mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transformer_engine.pytorch import DotProductAttention
+from transformer_engine.pytorch.attention.dot_product_attention import backends
+
+FWD_NAMES = ("offsets_q", "offsets_kv", "seqlens_q", "seqlens_kv", "batch_size", "max_seqlen_q", "max_seqlen_kv",
+             "softmax_scale", "causal", "window_left", "window_right", "bottom_right", "bias", "rng", "alibi", "dropout_p")
+BWD_NAMES = FWD_NAMES[:12] + ("deterministic",) + FWD_NAMES[12:] + ("need_dbias",)
+
+
+class _RecordingOps:
+    def __init__(self):
+        self.fwd, self.bwd = [], []
+
+    def cudnn_fwd(self, q, k, v, *args):
+        self.fwd.append(dict(zip(FWD_NAMES, args)))
+        return q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_zeros(1)
+
+    def cudnn_bwd(self, dout, q, k, v, out, stats, *args):
+        call = dict(zip(BWD_NAMES, args))
+        self.bwd.append(call)
+        dbias = torch.ones_like(call["bias"]) if call["need_dbias"] else q.new_empty(0)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dbias
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    ops = _RecordingOps()
+    monkeypatch.setattr(backends, "ops", ops)
+
+    class Selection:
+        backend = backends.FusedAttention
+
+    import transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention as dpa_module
+
+    monkeypatch.setattr(dpa_module, "require_backend", lambda params: Selection)
+    return ops
+
+
+def _qkv(b=2, sq=16, skv=16, h=4, d=8, dtype=torch.float32):
+    return [torch.randn(b, s, h, d, dtype=dtype, requires_grad=True) for s in (sq, skv, skv)]
+
+
+def test_dropout_seed_is_drawn_once_and_reused_by_the_backward(recorder):
+    dpa = DotProductAttention(4, 8, qkv_format="bshd", attn_mask_type="causal", attention_dropout=0.25)
+    out = dpa(*_qkv())
+    out.sum().backward()
+    (fwd,), (bwd,) = recorder.fwd, recorder.bwd
+    assert fwd["dropout_p"] == 0.25 and bwd["dropout_p"] == 0.25
+    assert fwd["rng"].dtype == torch.int64 and fwd["rng"].shape == (2,)
+    assert bwd["rng"] is fwd["rng"]
+    dpa(*_qkv())
+    assert not torch.equal(recorder.fwd[1]["rng"], fwd["rng"]), "each forward draws a new seed"
+
+
+def test_eval_mode_runs_without_dropout(recorder):
+    dpa = DotProductAttention(4, 8, qkv_format="bshd", attn_mask_type="causal", attention_dropout=0.25).eval()
+    dpa(*_qkv())
+    assert recorder.fwd[0]["dropout_p"] == 0.0 and recorder.fwd[0]["rng"] is None
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_bias_is_cast_and_its_gradient_routed_back(recorder, requires_grad):
+    q, k, v = _qkv(dtype=torch.bfloat16)
+    bias = torch.randn(1, 4, 16, 16, dtype=torch.float32, requires_grad=requires_grad)
+    dpa = DotProductAttention(4, 8, qkv_format="bshd", attn_mask_type="no_mask")
+    out = dpa(q, k, v, core_attention_bias_type="post_scale_bias", core_attention_bias=bias)
+    out.float().sum().backward()
+    (fwd,), (bwd,) = recorder.fwd, recorder.bwd
+    assert fwd["bias"].dtype == torch.bfloat16 and fwd["bias"].is_contiguous()
+    assert torch.equal(fwd["bias"], bias.detach().to(torch.bfloat16))
+    assert bwd["need_dbias"] is requires_grad
+    if requires_grad:
+        assert bias.grad.dtype == torch.float32 and torch.equal(bias.grad, torch.ones_like(bias))
+
+
+def test_alibi_flag(recorder):
+    dpa = DotProductAttention(4, 8, qkv_format="bshd", attn_mask_type="causal")
+    dpa(*_qkv(), core_attention_bias_type="alibi")
+    assert recorder.fwd[0]["alibi"] is True and recorder.fwd[0]["bias"] is None
+
+
+@pytest.mark.parametrize("sq,skv,bottom_right", [(16, 16, False), (8, 16, True)])
+def test_bottom_right_band_runs_top_left_where_lengths_match(recorder, sq, skv, bottom_right):
+    dpa = DotProductAttention(4, 8, qkv_format="bshd", attn_mask_type="causal_bottom_right")
+    dpa(*_qkv(sq=sq, skv=skv))
+    assert recorder.fwd[0]["causal"] is True and recorder.fwd[0]["bottom_right"] is bottom_right
