@@ -8,6 +8,8 @@ markdown table, a JSON file and a PNG plot to --out. Sections:
   gaps      the NOTES batch with gaps between sequences vs the same tokens without gaps
   per_seq   half the sequences causal: DotProductAttention (one call per policy) vs uniform
             vs regrouping (gather per policy with host-synced sizes, 2 calls, scatter)
+  features  cuDNN with dropout and ALiBi (the NOTES batch, causal) and with a post-scale bias
+            (dense bshd), through DotProductAttention vs the same cuDNN graphs called directly
 """
 
 from __future__ import annotations
@@ -83,17 +85,19 @@ class Env:
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
-def dpa_thd(lengths, d, mask, gaps=None, per_seq=None):
-    """A closure running DotProductAttention on a THD batch, with optional gaps/policies."""
+def dpa_thd(lengths, d, mask, gaps=None, per_seq=None, dropout=0.0, **extra):
+    """A closure running DotProductAttention on a THD batch, with optional gaps/policies;
+    ``extra`` goes to the call (e.g. core_attention_bias_type)."""
     slots = [n + (gaps[i] if gaps else 0) for i, n in enumerate(lengths)]
     inputs = thd_inputs(sum(slots), d, True)
-    dpa = DotProductAttention(H, d, qkv_format="thd", attn_mask_type=mask)
+    dpa = DotProductAttention(H, d, qkv_format="thd", attn_mask_type=mask, attention_dropout=dropout)
     kwargs = dict(cu_seqlens_q=cu(lengths), max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
     kwargs["cu_seqlens_kv"] = kwargs["cu_seqlens_q"]
     if gaps:
         kwargs["cu_seqlens_q_padded"] = kwargs["cu_seqlens_kv_padded"] = cu(slots)
     if per_seq is not None:
         kwargs["attn_mask_type_per_seq"] = per_seq
+    kwargs.update(extra)
     return (lambda: dpa(*inputs, **kwargs)), inputs, dpa
 
 
@@ -111,31 +115,34 @@ def fa4_direct(lengths, d, causal):
     return fwd, inputs
 
 
-def cudnn_direct(lengths, d, causal):
+def cudnn_direct(lengths, d, causal, alibi=False, dropout_p=0.0):
     """The cuDNN graph calls alone (the plain functions FusedAttention runs in eager mode),
     without DotProductAttention's validation, selection and planning. nvidia-cudnn-frontend's
     own torch op is not used for this: its THD backward rejected its forward's stats on this
     batch (shape mismatch)."""
-    from transformer_engine.pytorch.attention.dot_product_attention import gpu_ops
-
     inputs = thd_inputs(sum(lengths), d, True)
     c, m, scale, b = cu(lengths), max(lengths), d ** -0.5, len(lengths)
     lens = c[1:] - c[:-1]
-    args = (c, c, lens, lens, b, m, m, scale, causal, -1, -1, False)
+    return _cudnn_fn((c, c, lens, lens, b, m, m, scale, causal, -1, -1, False), inputs, None, alibi, dropout_p), inputs
+
+
+def _cudnn_fn(args, inputs, bias, alibi, dropout_p):
+    from transformer_engine.pytorch.attention.dot_product_attention import gpu_ops
 
     class Fn(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v):
-            o, stats = gpu_ops.cudnn_fwd(q, k, v, *args)
-            ctx.save_for_backward(q, k, v, o, stats)
+            rng = torch.randint(0, 1 << 62, (2,), dtype=torch.int64, device=q.device) if dropout_p > 0 else None
+            o, stats = gpu_ops.cudnn_fwd(q, k, v, *args, bias, rng, alibi, dropout_p)
+            ctx.save_for_backward(q, k, v, o, stats, rng)
             return o
 
         @staticmethod
         def backward(ctx, grad):
-            q, k, v, o, stats = ctx.saved_tensors
-            return gpu_ops.cudnn_bwd(grad.contiguous(), q, k, v, o, stats, *args, False)[:3]
+            q, k, v, o, stats, rng = ctx.saved_tensors
+            return gpu_ops.cudnn_bwd(grad.contiguous(), q, k, v, o, stats, *args, False, bias, rng, alibi, dropout_p)[:3]
 
-    return (lambda: Fn.apply(*inputs)), inputs
+    return lambda: Fn.apply(*inputs)
 
 
 def row(section, batch, d, mask, what, ms, f):
@@ -236,6 +243,41 @@ def regroup(per_seq):
     return fwd, inputs
 
 
+def features_section(rows):
+    """cuDNN with dropout / ALiBi / a bias: DotProductAttention vs the graphs called directly."""
+    d = 128
+    thd = [("dropout 0.1", dict(dropout_p=0.1), dict(dropout=0.1)),
+           ("alibi", dict(alibi=True), dict(core_attention_bias_type="alibi"))]
+    for name, direct_kw, dpa_kw in thd:
+        for with_bwd in (False, True):
+            f, tag = flops(NOTES_LENGTHS, d, True, with_bwd), "fwd+bwd" if with_bwd else "fwd"
+            try:
+                fn, inputs = cudnn_direct(NOTES_LENGTHS, d, True, **direct_kw)
+                rows.append(row("features", "notes-32k", d, "padding_causal", f"cuDNN direct {name} {tag}", timed(fn, inputs, with_bwd), f))
+                with Env(ONLY["cuDNN"]):
+                    fn, inputs, dpa = dpa_thd(NOTES_LENGTHS, d, "padding_causal", **dpa_kw)
+                    dpa.train()
+                    rows.append(row("features", "notes-32k", d, "padding_causal", f"cuDNN via DPA {name} {tag}", timed(fn, inputs, with_bwd), f))
+            except Exception:
+                traceback.print_exc()
+    b, s = 2, 4096
+    bias = torch.randn(1, H, s, s, device="cuda", dtype=torch.bfloat16)
+    for with_bwd in (False, True):
+        f, tag = 4 * b * s * s * H * d * 0.5 * (3.5 if with_bwd else 1.0), "fwd+bwd" if with_bwd else "fwd"
+        try:
+            inputs = [torch.randn(b, s, H, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+            args = (None, None, None, None, b, s, s, d ** -0.5, True, -1, -1, False)
+            batch = f"bshd b{b} s{s}"
+            rows.append(row("features", batch, d, "causal", f"cuDNN direct bias 1hss {tag}",
+                            timed(_cudnn_fn(args, inputs, bias, False, 0.0), inputs, with_bwd), f))
+            dpa = DotProductAttention(H, d, qkv_format="bshd", attn_mask_type="causal")
+            with Env(ONLY["cuDNN"]):
+                fn = lambda: dpa(*inputs, core_attention_bias_type="post_scale_bias", core_attention_bias=bias)  # noqa: E731
+                rows.append(row("features", batch, d, "causal", f"cuDNN via DPA bias 1hss {tag}", timed(fn, inputs, with_bwd), f))
+        except Exception:
+            traceback.print_exc()
+
+
 def dense_section(rows):
     b, s, d = 8, 4096, 128
     for causal in (True, False):
@@ -286,6 +328,14 @@ def write(rows, out_dir: Path, device: str):
             if " no gaps " not in w and (m, lib, tag) in base:
                 guard = w.split(",")[1].strip().rsplit(" ", 1)[0] if "," in w else "default (in place)" if lib == "FA4" else "-"
                 lines.append(f"| {lib} | {m} | {tag} | {guard} | {ms / base[(m, lib, tag)]:.3f} |")
+    feature_rows = {r["what"]: r["ms"] for r in rows if r["section"] == "features"}
+    if feature_rows:
+        lines += ["", "cuDNN features, ratio direct_time / DPA_time (target >= 0.95):", "", "| feature | pass | ratio |", "|---|---|---|"]
+        for what, ms in feature_rows.items():
+            if what.startswith("cuDNN direct "):
+                via = feature_rows.get(what.replace("direct", "via DPA", 1))
+                name, tag = what[len("cuDNN direct "):].rsplit(" ", 1)
+                lines.append(f"| {name} | {tag} | {ms / via:.3f} |" if via else f"| {name} | {tag} | - |")
     (out_dir / "bench.md").write_text("\n".join(lines) + "\n")
     plot(rows, out_dir / "bench.png")
     print("\n".join(lines))
@@ -315,7 +365,7 @@ def plot(rows, path):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--sections", default="uniform,gaps,per_seq,dense")
+    ap.add_argument("--sections", default="uniform,gaps,per_seq,dense,features")
     ap.add_argument("--head-dims", default="128,64")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -330,6 +380,8 @@ def main():
         per_seq_section(rows)
     if "dense" in sections:
         dense_section(rows)
+    if "features" in sections:
+        features_section(rows)
     write(rows, Path(args.out), device)
 
 

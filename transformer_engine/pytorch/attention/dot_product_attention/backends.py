@@ -145,24 +145,24 @@ class _KernelAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, kernel, inp: AttentionInputs, plan: Optional[VarlenPlan], guard: str, need_stats: bool,
-                features: ScoreFeatures):
+                alibi: bool, dropout_p: float):
         if guard == "copy":
             q, k, v = _zero_spill_rows(inp, *(t.clone() for t in (q, k, v)))
-        features = dataclasses.replace(features, bias=bias, rng=_draw_rng(q.device) if features.dropout_p > 0 else None)
-        out, stats = kernel.forward(q, k, v, features, inp, plan, _calls(inp, plan), need_stats)
-        ctx.kernel, ctx.inp, ctx.plan, ctx.features = kernel, inp, plan, dataclasses.replace(features, bias=None, rng=None)
+        rng = _draw_rng(q.device) if dropout_p > 0 else None
+        out, stats = kernel.forward(q, k, v, ScoreFeatures(bias, alibi, dropout_p, rng), inp, plan, _calls(inp, plan), need_stats)
+        ctx.kernel, ctx.inp, ctx.plan, ctx.alibi, ctx.dropout_p = kernel, inp, plan, alibi, dropout_p
         if need_stats:
-            ctx.save_for_backward(q, k, v, out, bias, features.rng, *stats)
+            ctx.save_for_backward(q, k, v, out, bias, rng, *stats)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, bias, rng, *stats = ctx.saved_tensors
         dout = dout if dout.stride() == out.stride() else dout.contiguous()
-        features = dataclasses.replace(ctx.features, bias=bias, rng=rng)
+        features = ScoreFeatures(bias, ctx.alibi, ctx.dropout_p, rng)
         dq, dk, dv, dbias = ctx.kernel.backward(dout, q, k, v, out, stats, features, ctx.needs_input_grad[3], ctx.inp, ctx.plan,
                                                 _calls(ctx.inp, ctx.plan))
-        return dq, dk, dv, dbias, None, None, None, None, None, None
+        return dq, dk, dv, dbias, None, None, None, None, None, None, None
 
 
 def _gap_guard(plan: Optional[VarlenPlan], kernel) -> str:
@@ -210,8 +210,8 @@ def _run_kernel(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan], traini
     bias = inp.bias.to(inp.q.dtype).contiguous() if inp.bias_type == "post_scale_bias" else None
     # Without gradients FA4 may skip its log-sum-exp (``needs_input_grad`` ignores no_grad).
     need_stats = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (inp.q, inp.k, inp.v, bias))
-    features = ScoreFeatures(alibi=inp.bias_type == "alibi", dropout_p=inp.dropout_p if training else 0.0)
-    return _KernelAttention.apply(inp.q, inp.k, inp.v, bias, kernel, inp, plan, guard, need_stats, features)
+    dropout_p = inp.dropout_p if training else 0.0
+    return _KernelAttention.apply(inp.q, inp.k, inp.v, bias, kernel, inp, plan, guard, need_stats, inp.bias_type == "alibi", dropout_p)
 
 
 def _calls(inp: AttentionInputs, plan: Optional[VarlenPlan]) -> List[VarlenCall]:
