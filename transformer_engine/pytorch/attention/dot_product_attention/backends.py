@@ -39,6 +39,9 @@ class VarlenCall:
     spec: MaskSpec
     seqused_q: Optional[torch.Tensor]
     seqused_kv: Optional[torch.Tensor]
+    # (len_q, len_kv) for kernels that always take lengths (cuDNN), made once per forward and
+    # reused by the backward.
+    lengths: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
 
 @dataclass
@@ -60,13 +63,18 @@ def plan_varlen(inp: AttentionInputs) -> VarlenPlan:
     if spec is not None:
         if not gaps:
             return VarlenPlan(pq.cu_seqlens, pk.cu_seqlens, [VarlenCall(0, spec, None, None)], False)
-        return VarlenPlan(pq.offsets, pk.offsets, [VarlenCall(0, spec, pq.seqlens(), pk.seqlens())], True)
-    len_q, len_kv = pq.seqlens(), pk.seqlens()
+        return VarlenPlan(pq.offsets, pk.offsets, [VarlenCall(0, spec, *_valid_lengths(pq, pk))], True)
+    len_q, len_kv = _valid_lengths(pq, pk)
     calls = []
     for p in policies.active():
         mine = policies.seq_mask(p)
         calls.append(VarlenCall(p, policies.specs[p], torch.where(mine, len_q, 0), torch.where(mine, len_kv, 0)))
     return VarlenPlan(pq.offsets, pk.offsets, calls, gaps)
+
+
+def _valid_lengths(pq: PackedSeqs, pk: PackedSeqs) -> Tuple[torch.Tensor, torch.Tensor]:
+    len_q = pq.seqlens()
+    return len_q, len_q if pk.cu_seqlens is pq.cu_seqlens else pk.seqlens()
 
 
 def _row_owner(p: PackedSeqs, seq_policy: Optional[torch.Tensor]) -> torch.Tensor:
@@ -546,9 +554,9 @@ class _CudnnKernel:
                 lens = (_dense_lengths(inp.q_valid, b, sq, inp.q.device), _dense_lengths(inp.kv_valid, b, skv, inp.q.device))
             return (None, None, *lens, b, sq, skv, inp.softmax_scale, causal, left, right, bottom_right)
         pq, pk = inp.packed_q, inp.packed_kv
-        len_q = call.seqused_q if call.seqused_q is not None else pq.seqlens()
-        len_kv = call.seqused_kv if call.seqused_kv is not None else pk.seqlens()
-        return (plan.offsets_q, plan.offsets_kv, len_q, len_kv, pq.batch_size, pq.max_seqlen, pk.max_seqlen,
+        if call.lengths is None:
+            call.lengths = (call.seqused_q, call.seqused_kv) if call.seqused_q is not None else _valid_lengths(pq, pk)
+        return (plan.offsets_q, plan.offsets_kv, *call.lengths, pq.batch_size, pq.max_seqlen, pk.max_seqlen,
                 inp.softmax_scale, causal, left, right, bottom_right)
 
 

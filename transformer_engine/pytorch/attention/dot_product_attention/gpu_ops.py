@@ -333,8 +333,14 @@ def _metadata_pack(seqlens_q, seqlens_kv, ragged: dict) -> dict:
     if seqlens_q is not None:
         pack[_UID["len_q"]] = seqlens_q.int().view(-1, 1, 1, 1)
         pack[_UID["len_kv"]] = seqlens_kv.int().view(-1, 1, 1, 1)
+    # Tensors sharing offsets and token stride share one offset tensor: each costs two launches,
+    # and a backward names eight (one of them, typically).
+    made: Dict[Tuple[int, int], torch.Tensor] = {}
     for name, (offsets, t) in ragged.items():
-        pack[_UID[name]] = (offsets.long() * t.stride(0)).view(-1, 1, 1, 1)
+        key = (id(offsets), t.stride(0))
+        if key not in made:
+            made[key] = (offsets.long() * t.stride(0)).view(-1, 1, 1, 1)
+        pack[_UID[name]] = made[key]
     return pack
 
 
