@@ -1,7 +1,7 @@
-"""Host (Python) time of one launch-bound training step, direct FA4 vs DotProductAttention:
-cProfile's top functions by own time, and the host cost of single pieces.
+"""Host (Python) time of one launch-bound training step, the library called directly vs
+DotProductAttention: cProfile's top functions by own time, and the host cost of single pieces.
 
-    cd benchmarks/attention && python profile_host.py
+    cd benchmarks/attention && python profile_host.py [--lib FA4|cuDNN]
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from benchmark_attention import BATCHES, ONLY, Env, cu, dpa_thd, fa4_direct
+from benchmark_attention import BATCHES, ONLY, Env, cu, cudnn_direct, dpa_thd, fa4_direct
 from profile_small import host_us, steps
 
 
@@ -50,11 +50,16 @@ def phases(name, fwd, inputs) -> None:
 
 
 def main():
+    import argparse
+
     from transformer_engine.pytorch.attention.dot_product_attention.gap_rows import zero_gap_rows
 
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", default="FA4", choices=("FA4", "cuDNN"))
+    lib = ap.parse_args().lib
     lengths = BATCHES["many-short"]
-    with Env(ONLY["FA4"]):
-        direct_fwd, direct_inputs = fa4_direct(lengths, 64, True)
+    with Env(ONLY[lib]):
+        direct_fwd, direct_inputs = (fa4_direct if lib == "FA4" else cudnn_direct)(lengths, 64, True)
         fwd, inputs, _ = dpa_thd(lengths, 64, "padding_causal")
         direct, dpa = steps(direct_fwd, direct_inputs), steps(fwd, inputs)
         print(f"[host] step direct {host_us(direct['fwd+bwd'], n=200):.0f} us, DPA {host_us(dpa['fwd+bwd'], n=200):.0f} us")
