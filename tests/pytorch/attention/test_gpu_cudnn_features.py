@@ -76,11 +76,12 @@ def test_alibi_dense_causal(h):
 
 
 @pytest.mark.parametrize("gaps", [False, True])
-@pytest.mark.parametrize("mask", ["padding_causal", "padding_causal_bottom_right"])
-def test_alibi_thd(gaps, mask):
+@pytest.mark.parametrize("mask,window", [("padding_causal", None), ("padding_causal_bottom_right", None),
+                                         ("padding_causal", (64, 0))])
+def test_alibi_thd(gaps, mask, window):
     lengths, h, d = [100, 300, 37, 1, 200], 8, 64
     p = make_thd(lengths, gaps_q=[12, 0, 27, 1, 64] if gaps else None, h=h, hg=h, d=d, dtype=torch.bfloat16, device="cuda")
-    dpa = DotProductAttention(h, d, qkv_format="thd", attn_mask_type=mask)
+    dpa = DotProductAttention(h, d, qkv_format="thd", attn_mask_type=mask, window_size=window)
     kwargs = dict(p.kwargs(gaps, max(lengths), max(lengths), shared=True), core_attention_bias_type="alibi")
     out = _compare_with_reference(dpa, [p.q, p.k, p.v], kwargs)
     assert torch.all(out[~p.valid_q] == 0)
@@ -97,17 +98,21 @@ def _identity_v(rows: int, h: int, d: int, seq_starts_lengths) -> torch.Tensor:
     return v
 
 
-def _check_dropout_consistency(out, dv, g, seqs, p):
+def _check_dropout_consistency(out, dv, g, seqs, p, window=None):
     """Per sequence and head: the forward's dropped P (= out) must be what the backward used
-    (dV = P^T dout); the drop rate must be p and the surviving entries scaled by 1/(1-p)."""
+    (dV = P^T dout); the drop rate (over the entries the mask allows) must be p and the
+    surviving entries scaled by 1/(1-p)."""
     dropped, total, row_sums = 0, 0, []
     for start, n in seqs:
         o, gg, d = (t[start : start + n].float().transpose(0, 1) for t in (out, g, dv))  # [H, n, D]
         probs = o[..., :n]  # key j of the sequence landed in column j
         want = probs.transpose(-1, -2) @ gg
         assert rel_err(d[:, :n], want) < 3e-2, f"dV disagrees with the forward's dropout mask: {rel_err(d[:, :n], want):.2e}"
-        dropped += int((probs == 0).sum())
-        total += probs.numel()
+        i, j = torch.arange(n, device=o.device).view(-1, 1), torch.arange(n, device=o.device).view(1, -1)
+        allowed = torch.ones(n, n, dtype=torch.bool, device=o.device) if window is None else (j - i).abs() <= window
+        dropped += int(((probs == 0) & allowed).sum())
+        total += int(allowed.sum()) * probs.shape[0]
+        assert torch.all(probs[:, ~allowed] == 0), "dropout let a masked entry through"
         row_sums.append(probs.sum(-1).flatten())
     rate = dropped / total
     assert abs(rate - p) < 0.03, f"drop rate {rate:.3f}, expected {p}"
@@ -115,16 +120,18 @@ def _check_dropout_consistency(out, dv, g, seqs, p):
     assert abs(mean_row_sum - 1.0) < 0.05, f"rows sum to {mean_row_sum:.3f} on average; 1/(1-p) scaling keeps 1"
 
 
-def test_dropout_backward_uses_the_forward_mask_dense():
+@pytest.mark.parametrize("window", [None, 16])
+def test_dropout_backward_uses_the_forward_mask_dense(window):
     b, s, h, d, p = 1, 64, 2, 64, 0.2
     q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) * 0.3 for _ in range(2))
     v = _identity_v(s, h, d, [(0, s)]).unsqueeze(0).requires_grad_()
-    dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="no_mask", attention_dropout=p)
+    dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="no_mask", attention_dropout=p,
+                              window_size=None if window is None else (window, window))
     out = run_on(FUSED, dpa, q, k, v)
     assert dpa.last_selection.label == FUSED
     g = torch.randn_like(out)
     out.backward(g)
-    _check_dropout_consistency(out.view(s, h, d), v.grad[0], g.view(s, h, d), [(0, s)], p)
+    _check_dropout_consistency(out.view(s, h, d), v.grad[0], g.view(s, h, d), [(0, s)], p, window)
 
 
 def test_dropout_backward_uses_the_forward_mask_thd_with_gaps():
