@@ -146,7 +146,9 @@ class DotProductAttention(torch.nn.Module):
         if torch.compiler.is_compiling():
             return BACKENDS_BY_LABEL[chosen_backend_label(params_key(params))]
         selection = require_backend(params)
-        self.last_selection = selection  # what ran, and why not the others (for reports)
+        # What ran, and why not the others (for reports). Set past nn.Module.__setattr__, which
+        # costs microseconds per call looking for parameters and submodules.
+        object.__setattr__(self, "last_selection", selection)
         return selection.backend
 
     def _fill_thd(self, inp, cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_q, max_kv, pad_between, per_seq, is_causal, window):

@@ -140,11 +140,14 @@ def layout_string(qkv_format: str, packing: Optional[str], interleave_dim: int =
 def _shared_interleave(tensors) -> Optional[int]:
     """-3 or -2 when ``tensors`` are equal-shaped, evenly spaced views of one packed buffer."""
     first = tensors[0]
-    if first.dim() < 3 or first.stride(-1) != 1:
+    n = len(tensors)
+    # Views of one packed buffer step n * h * d per token; a tensor of its own steps h * d.
+    # Checked first: it rejects separate tensors (the common case) at the cost of one stride.
+    if first.dim() < 3 or first.stride(-1) != 1 or first.stride(-3) != n * first.shape[-2] * first.shape[-1]:
         return None
     if any(t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype for t in tensors):
         return None
-    n, (h, d) = len(tensors), first.shape[-2:]
+    h, d = first.shape[-2:]
     step = [(t.data_ptr() - first.data_ptr()) // first.element_size() for t in tensors]
     dim = None
     if first.stride(-2) == d and first.stride(-3) == n * h * d and step == [i * h * d for i in range(n)]:
