@@ -96,7 +96,7 @@ def probe_cudnn_writes(q, k, v, offsets, lens, used, causal, gap_rows, skipped):
         # The cuDNN ops return zero-filled buffers: count rows that are NOT zero (written).
         out, stats = ops.cudnn_fwd(q, k, v, offsets, offsets, seqlens, seqlens, b, m, m, D ** -0.5, causal, -1, -1, False)
         dq, dk, dv, _ = ops.cudnn_bwd(torch.randn_like(out), q, k, v, out, stats, offsets, offsets, seqlens, seqlens, b, m, m,
-                                   D ** -0.5, causal, -1, -1, False, False)
+                                      D ** -0.5, causal, -1, -1, False, False)
         nonzero = lambda t: int((t[rows] != 0).any(dim=2).any(dim=1).sum())  # noqa: E731
         print(f"[writes] cuDNN {name} causal={causal}: rows {int(rows.sum())}: nonzero out {nonzero(out)}; "
               f"dq {nonzero(dq)} dk {nonzero(dk)} dv {nonzero(dv)}")

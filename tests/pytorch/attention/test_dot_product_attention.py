@@ -206,3 +206,53 @@ def test_mixed_head_dims():
     ref = reference_thd(*refs, p.cu_q, p.cu_kv, p.cu_q, p.cu_kv, ["padding_causal"] * 2, [None] * 2, SCALE)
     _close(out, ref, 1e-10)
 
+
+
+class _ForkingTracker:
+    """Megatron-style RNG tracker: fork() swaps in its own CPU generator state."""
+
+    def __init__(self, seed: int):
+        self.state = torch.Generator().manual_seed(seed).get_state()
+        self.forks = 0
+
+    def fork(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def forked():
+            self.forks += 1
+            saved = torch.get_rng_state()
+            torch.set_rng_state(self.state)
+            try:
+                yield
+            finally:
+                self.state = torch.get_rng_state()
+                torch.set_rng_state(saved)
+
+        return forked()
+
+
+def test_dropout_draws_inside_the_rng_tracker_fork():
+    tracker = _ForkingTracker(7)
+    q, k, v = _dense_inputs("bshd", 2, 8, 8, H)
+    dpa = DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="causal", attention_dropout=0.5,
+                              get_rng_state_tracker=lambda: tracker)
+    before = torch.get_rng_state()
+    first = dpa(q, k, v)
+    assert tracker.forks == 1 and torch.equal(torch.get_rng_state(), before), "dropout must not use the default generator"
+    again = DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="causal", attention_dropout=0.5,
+                                get_rng_state_tracker=lambda: _ForkingTracker(7))(q, k, v)
+    assert torch.equal(first, again), "the same tracker state must give the same dropout mask"
+    dpa.eval()
+    dpa(q, k, v)
+    assert tracker.forks == 1, "no fork without dropout"
+
+
+def test_rng_tracker_is_checked_and_passed_through_multihead_attention():
+    from transformer_engine.pytorch import MultiheadAttention
+
+    with pytest.raises(TypeError, match="get_rng_state_tracker"):
+        DotProductAttention(H, D, get_rng_state_tracker=object())
+    tracker = _ForkingTracker(0)
+    mha = MultiheadAttention(H * D, H, get_rng_state_tracker=lambda: tracker, device="cpu")
+    assert mha.core_attention.get_rng_state_tracker() is tracker

@@ -38,6 +38,7 @@ class MultiheadAttention(torch.nn.Module):
         tp_group: Any = None,
         tp_size: int = 1,
         num_gqa_groups: Optional[int] = None,
+        get_rng_state_tracker: Any = None,
         sequence_parallel: bool = False,
         params_dtype: Optional[torch.dtype] = None,
         return_bias: bool = False,
@@ -81,8 +82,8 @@ class MultiheadAttention(torch.nn.Module):
         self.core_attention = DotProductAttention(
             num_attention_heads, self.d, num_gqa_groups=self.hg, attention_dropout=attention_dropout,
             qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window_size,
-            sequence_parallel=sequence_parallel, tp_size=tp_size, tp_group=tp_group,
-            layer_number=layer_number, attention_type=attention_type,
+            sequence_parallel=sequence_parallel, tp_size=tp_size, get_rng_state_tracker=get_rng_state_tracker,
+            tp_group=tp_group, layer_number=layer_number, attention_type=attention_type,
         )
 
     def forward(

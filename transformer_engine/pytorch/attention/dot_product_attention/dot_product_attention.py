@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Mapping, Optional, Tuple, Union
 
@@ -68,6 +69,11 @@ class DotProductAttention(torch.nn.Module):
         self.num_attention_heads = num_attention_heads
         self.head_dims = check_kv_channels(kv_channels)
         self.attention_dropout = attention_dropout
+        if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
+            raise TypeError(f"get_rng_state_tracker must be a callable returning a tracker with .fork(); got {type(get_rng_state_tracker).__name__}")
+        # As in TE: dropout draws its randomness inside the tracker's fork() (Megatron's
+        # model-parallel RNG stream); without a tracker, from torch's default generator.
+        self.get_rng_state_tracker = get_rng_state_tracker
         self.qkv_format = check_format(qkv_format)
         self.attn_mask_type = AttnMaskType.parse(attn_mask_type)
         normalize_window(window_size, self.attn_mask_type)  # reject a contradiction early
@@ -136,11 +142,17 @@ class DotProductAttention(torch.nn.Module):
                 attention_mask, mask, q.shape[0], q.shape[1], k.shape[1], cu_seqlens_q, cu_seqlens_kv, q.device)
         self._fill_bias(inp, core_attention_bias_type, core_attention_bias, alibi_slopes)
         run = self._select(self._params(inp, fmt, qkv.layout)).run
-        if checkpoint_core_attention and torch.is_grad_enabled():
-            out = torch.utils.checkpoint.checkpoint(run, inp, self.training, use_reentrant=False)
-        else:
-            out = run(inp, self.training)
+        with self._dropout_rng():
+            if checkpoint_core_attention and torch.is_grad_enabled():
+                out = torch.utils.checkpoint.checkpoint(run, inp, self.training, use_reentrant=False)
+            else:
+                out = run(inp, self.training)
         return _flatten(out, fmt)
+
+    def _dropout_rng(self):
+        if self.get_rng_state_tracker is None or not (self.training and self.attention_dropout > 0):
+            return contextlib.nullcontext()
+        return self.get_rng_state_tracker().fork()
 
     def _select(self, params: AttentionParams):
         if torch.compiler.is_compiling():
