@@ -475,8 +475,10 @@ class FusedAttention(BackendSupport):
 
 def _bias_thd_reasons(params) -> List[Reason]:
     if params.qkv_format == "thd" and params.core_attention_bias_type in ("pre_scale_bias", "post_scale_bias"):
-        return [Reason("core_attention_bias_type", f"{params.core_attention_bias_type} with thd",
-                       "no_bias or alibi with thd (a bias tensor has no packed layout)")]
+        # Named by format: FusedAttention's note on core_attention_bias_type (pre- vs
+        # post-scale) would not explain this one.
+        return [Reason("qkv_format", f"thd with {params.core_attention_bias_type}",
+                       "bshd or sbhd for a bias tensor (it has no packed layout; thd takes no_bias or alibi)")]
     return []
 
 
@@ -546,7 +548,7 @@ class _CudnnKernel:
         left, right = call.spec.window
         # Where every sequence has sq == skv the two alignments coincide; top-left is the one cuDNN
         # combines with bias, ALiBi and dropout.
-        bottom_right = call.spec.mask_type.bottom_right and call.spec.has_band and not same_lengths(inp)
+        bottom_right = call.spec.mask_type.bottom_right and call.spec.has_band and not _same_lengths(inp)
         if plan is None:
             b, sq, skv = inp.q.shape[0], inp.q.shape[1], inp.k.shape[1]
             lens = (None, None)
@@ -560,7 +562,7 @@ class _CudnnKernel:
                 inp.softmax_scale, causal, left, right, bottom_right)
 
 
-def same_lengths(inp: AttentionInputs) -> bool:
+def _same_lengths(inp: AttentionInputs) -> bool:
     """Whether every sequence is known to have sq == skv (the tensor side of
     ``AttentionParams.same_lengths``)."""
     if inp.is_thd:

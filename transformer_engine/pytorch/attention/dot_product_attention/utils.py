@@ -150,9 +150,9 @@ def _shared_interleave(tensors) -> Optional[int]:
     h, d = first.shape[-2:]
     step = [(t.data_ptr() - first.data_ptr()) // first.element_size() for t in tensors]
     dim = None
-    if first.stride(-2) == d and first.stride(-3) == n * h * d and step == [i * h * d for i in range(n)]:
+    if first.stride(-2) == d and step == [i * h * d for i in range(n)]:
         dim = -3
-    elif first.stride(-2) == n * d and first.stride(-3) == n * h * d and step == [i * d for i in range(n)]:
+    elif first.stride(-2) == n * d and step == [i * d for i in range(n)]:
         dim = -2
     # The storage check last: building storage objects is the slow part, and separate tensors
     # almost never pass the pointer arithmetic above.
