@@ -68,8 +68,10 @@ def test_fa3_varlen_mapping_matches_unfused(case, monkeypatch):
     g = torch.randn_like(ref)
     want = grads_of(ref, [p.q, p.k, p.v], g)
     monkeypatch.setattr(dpa_module, "require_backend", lambda params: BackendSelection(FlashAttentionV3, ()))
-    out = dpa(p.q, p.k, p.v, **kwargs)
+    # A fresh module: ``dpa`` would reuse its first selection for the same host facts.
+    out = DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding_causal")(p.q, p.k, p.v, **kwargs)
     got = grads_of(out, [p.q, p.k, p.v], g)
+    assert calls, "the FA3 stand-in never ran"
     torch.testing.assert_close(out, ref)
     for a, b, valid in zip(got, want, (p.valid_q, p.valid_kv, p.valid_kv)):
         torch.testing.assert_close(a, b)

@@ -13,6 +13,7 @@ import torch
 import torch.utils.checkpoint
 
 from .libraries import compute_capability
+from .fast_path import call_key, lookup, new_inputs, recipe_of, remember
 from .masks import AttnMaskType, MaskSpec, normalize_window
 from .packed_qkv import resolve_qkv
 from .params import AttentionInputs, AttentionParams, params_key
@@ -82,6 +83,7 @@ class DotProductAttention(torch.nn.Module):
         self.attention_type = attention_type
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dims[0])
+        self._recipes: dict = {}  # host decisions of earlier calls, by their host facts (fast_path.py)
 
     def forward(
         self,
@@ -120,34 +122,53 @@ class DotProductAttention(torch.nn.Module):
         """
         if inference_params is not None or fp8_output:
             raise NotImplementedError("inference_params (KV caching) and fp8_output are not implemented; pass None / False")
-        fmt = check_format(qkv_format if qkv_format is not None else self.qkv_format)
-        qkv = resolve_qkv(query_layer, key_layer, value_layer, qkv_layer, kv_layer, qkv_interleave_dim, fmt)
-        q, k, v = qkv.q, qkv.k, qkv.v
-        check_qkv(q, k, v, fmt, self.num_attention_heads, self.num_gqa_groups, self.head_dims)
-        if fmt == "sbhd":  # one code path: sbhd runs as a transposed bshd view
-            q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-        mask = AttnMaskType.parse(attn_mask_type if attn_mask_type is not None else self.attn_mask_type)
-        mask = check_mask_and_format(mask, fmt, attention_mask, cu_seqlens_q is not None)
-        raw_window = window_size if window_size is not None else self.window_size
-        window = normalize_window(raw_window, mask)
-        inp = AttentionInputs(q, k, v, "thd" if fmt == "thd" else "bshd", MaskSpec(mask, window), self.softmax_scale,
-                              self.attention_dropout)
-        if fmt == "thd":
-            self._fill_thd(inp, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
-                           max_seqlen_q, max_seqlen_kv, pad_between_seqs, attn_mask_type_per_seq, thd_sequence_is_causal,
-                           raw_window)
+        layers = (query_layer, key_layer, value_layer, qkv_layer, kv_layer)
+        cus = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
+        max_seqlens = (max_seqlen_q, max_seqlen_kv)
+        key = None
+        if (attention_mask is None and core_attention_bias is None and alibi_slopes is None and attn_mask_type_per_seq is None
+                and thd_sequence_is_causal is None and core_attention_bias_type == "no_bias"):
+            key = call_key(self, qkv_format, layers, qkv_interleave_dim, cus, max_seqlens, attn_mask_type, window_size,
+                           pad_between_seqs)
+        recipe = lookup(self._recipes, key)
+        if recipe is not None:
+            inp = recipe.inputs(self, layers, qkv_interleave_dim, cus, max_seqlens)
+            fmt, backend = recipe.qkv_format, recipe.selection.backend
+            object.__setattr__(self, "last_selection", recipe.selection)
         else:
-            _reject_per_seq(attn_mask_type_per_seq, thd_sequence_is_causal, f"qkv_format={fmt!r}")
-            inp.q_valid, inp.kv_valid, inp.arbitrary_mask = dense_padding(
-                attention_mask, mask, q.shape[0], q.shape[1], k.shape[1], cu_seqlens_q, cu_seqlens_kv, q.device)
-        self._fill_bias(inp, core_attention_bias_type, core_attention_bias, alibi_slopes)
-        run = self._select(self._params(inp, fmt, qkv.layout)).run
+            fmt = check_format(qkv_format if qkv_format is not None else self.qkv_format)
+            qkv = resolve_qkv(*layers, qkv_interleave_dim, fmt)
+            inp = self._inputs(qkv, fmt, attention_mask, cus, max_seqlens, attn_mask_type, window_size, pad_between_seqs,
+                               attn_mask_type_per_seq, thd_sequence_is_causal)
+            self._fill_bias(inp, core_attention_bias_type, core_attention_bias, alibi_slopes)
+            backend = self._select(self._params(inp, fmt, qkv.layout))
+            if key is not None:
+                remember(self._recipes, key, recipe_of(inp, self.last_selection, fmt, qkv, qkv_interleave_dim))
         with self._dropout_rng():
             if checkpoint_core_attention and torch.is_grad_enabled():
-                out = torch.utils.checkpoint.checkpoint(run, inp, self.training, use_reentrant=False)
+                out = torch.utils.checkpoint.checkpoint(backend.run, inp, self.training, use_reentrant=False)
             else:
-                out = run(inp, self.training)
+                out = backend.run(inp, self.training)
         return _flatten(out, fmt)
+
+    def _inputs(self, qkv, fmt, attention_mask, cus, max_seqlens, attn_mask_type, window_size, pad_between_seqs, per_seq,
+                is_causal) -> AttentionInputs:
+        """Checks the call and builds its inputs (the full path; :mod:`.fast_path` reuses its
+        decisions for calls with the same host facts)."""
+        check_qkv(qkv.q, qkv.k, qkv.v, fmt, self.num_attention_heads, self.num_gqa_groups, self.head_dims)
+        mask = AttnMaskType.parse(attn_mask_type if attn_mask_type is not None else self.attn_mask_type)
+        mask = check_mask_and_format(mask, fmt, attention_mask, cus[0] is not None)
+        raw_window = window_size if window_size is not None else self.window_size
+        window = normalize_window(raw_window, mask)
+        inp = new_inputs(qkv.q, qkv.k, qkv.v, fmt, MaskSpec(mask, window), self.softmax_scale, self.attention_dropout)
+        if fmt == "thd":
+            self._fill_thd(inp, *cus, *max_seqlens, pad_between_seqs, per_seq, is_causal, raw_window)
+        else:
+            _reject_per_seq(per_seq, is_causal, f"qkv_format={fmt!r}")
+            q, k = inp.q, inp.k
+            inp.q_valid, inp.kv_valid, inp.arbitrary_mask = dense_padding(
+                attention_mask, mask, q.shape[0], q.shape[1], k.shape[1], cus[0], cus[1], q.device)
+        return inp
 
     def _dropout_rng(self):
         if self.get_rng_state_tracker is None or not (self.training and self.attention_dropout > 0):

@@ -29,6 +29,13 @@ class ResolvedQKV:
     v: torch.Tensor
     layout: str
     packing: Optional[str]
+    declared: bool = False  # packing stated through qkv_layer / kv_layer (not read from pointers)
+
+
+def split_packed(packed: torch.Tensor, interleave_dim: int) -> Tuple[torch.Tensor, ...]:
+    """The q/k/v (or k/v) views of a packed buffer. ``select`` rather than ``unbind``: unbind's
+    views are multi-output views, which autograd forbids modifying in place."""
+    return tuple(packed.select(interleave_dim, i) for i in range(packed.shape[interleave_dim]))
 
 
 def _views(packed: torch.Tensor, name: str, n: int, interleave_dim: int, qkv_format: str) -> Tuple[torch.Tensor, ...]:
@@ -43,7 +50,7 @@ def _views(packed: torch.Tensor, name: str, n: int, interleave_dim: int, qkv_for
         )
     if packed.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last (head) dim: stride(-1) must be 1, got {packed.stride(-1)}")
-    return tuple(packed.select(interleave_dim, i) for i in range(n))
+    return split_packed(packed, interleave_dim)
 
 
 def resolve_qkv(
@@ -64,14 +71,14 @@ def resolve_qkv(
         if clash:
             raise ValueError(f"qkv_layer already holds q, k and v; do not also pass {', '.join(clash)}")
         q, k, v = _views(qkv_layer, "qkv_layer", 3, qkv_interleave_dim, qkv_format)
-        return ResolvedQKV(q, k, v, layout_string(qkv_format, "qkv", qkv_interleave_dim), "qkv")
+        return ResolvedQKV(q, k, v, layout_string(qkv_format, "qkv", qkv_interleave_dim), "qkv", True)
     if kv_layer is not None:
         if query_layer is None:
             raise ValueError("kv_layer needs query_layer (the queries are not in the packed buffer); got None")
         if key_layer is not None or value_layer is not None:
             raise ValueError("kv_layer already holds k and v; do not also pass key_layer/value_layer")
         k, v = _views(kv_layer, "kv_layer", 2, qkv_interleave_dim, qkv_format)
-        return ResolvedQKV(query_layer, k, v, layout_string(qkv_format, "kv", qkv_interleave_dim), "kv")
+        return ResolvedQKV(query_layer, k, v, layout_string(qkv_format, "kv", qkv_interleave_dim), "kv", True)
     missing = [n for n, t in separate.items() if t is None]
     if missing:
         raise ValueError(f"pass query_layer, key_layer and value_layer, or qkv_layer, or query_layer with kv_layer; missing {', '.join(missing)}")

@@ -13,11 +13,12 @@ Everything here reads only shapes on the host; values stay on the device.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from .environment import Switch
 
 
 def check_cu_seqlens(name: str, t: Optional[torch.Tensor], batch_size: Optional[int] = None) -> None:
@@ -49,9 +50,12 @@ def infer_pad_between_seqs(
     return not (same(cu_seqlens_q_padded, cu_seqlens_q) and same(cu_seqlens_kv_padded, cu_seqlens_kv))
 
 
+_VALIDATE = Switch("NVTE_ATTN_VALIDATE")
+
+
 def validation_enabled() -> bool:
     """Value checks that need a device-to-host sync run only when NVTE_ATTN_VALIDATE=1."""
-    return os.getenv("NVTE_ATTN_VALIDATE", "0") == "1"
+    return _VALIDATE.get("0") == "1"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,266 @@
+"""The fast path (fast_path.py): a repeated call reuses the full path's decisions.
+
+Its teeth: a call that hits the cache must give bit-identical outputs and gradients to a fresh
+module running the full path on the same inputs; every host fact that changes a decision must
+miss; per-call values outside the key are still checked; and THD selection must not read the
+values the key leaves out (batch size, max_seqlen)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from transformer_engine.pytorch import DotProductAttention
+from transformer_engine.pytorch.attention.dot_product_attention import fast_path
+from transformer_engine.pytorch.attention.dot_product_attention.libraries import InstalledLibraries
+from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType
+from transformer_engine.pytorch.attention.dot_product_attention.params import AttentionParams
+from transformer_engine.pytorch.attention.dot_product_attention.utils import NoBackendError, get_attention_backend
+
+from .gpu_helpers import env
+from .packing import make_thd
+
+H, HG, D = 4, 2, 8
+
+
+@pytest.fixture
+def full_paths(monkeypatch):
+    """Counts the calls that took the full path."""
+    calls = []
+    real = DotProductAttention._inputs
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DotProductAttention, "_inputs", counted)
+    return calls
+
+
+def _thd_batch(lengths, gaps=None, lengths_kv=None, tail=0, seed=0):
+    return make_thd(lengths, lengths_kv=lengths_kv, gaps_q=gaps, gaps_kv=gaps if lengths_kv is not None else None, h=H,
+                    hg=HG, d=D, tail=tail, seed=seed)
+
+
+def _thd_call(p, gaps, shared, mask_kwargs, layers="separate"):
+    """(args, kwargs, leaves) of one THD call."""
+    kw = p.kwargs(gaps, int((p.cu_q[1:] - p.cu_q[:-1]).max()), int((p.cu_kv[1:] - p.cu_kv[:-1]).max()), shared=shared)
+    kw.update(mask_kwargs)
+    if layers == "separate":
+        return (p.q, p.k, p.v), kw, [p.q, p.k, p.v]
+    kv = torch.stack([p.k.detach(), p.v.detach()], dim=1).requires_grad_()  # [T, 2, HG, D]
+    return (p.q,), dict(kw, kv_layer=kv), [p.q, kv]
+
+
+def _outputs(dpa, args, kwargs, leaves):
+    for t in leaves:
+        t.grad = None
+    out = dpa(*args, **kwargs)
+    out.backward(torch.ones_like(out))
+    return [out.detach()] + [t.grad.clone() for t in leaves]
+
+
+def _assert_identical(got, want):
+    for a, b in zip(got, want):
+        assert torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
+
+
+# Two batches of the same token count with different sequence counts and lengths: the second
+# call hits the first one's recipe (max_seqlen and the number of sequences are not in the key).
+THD_CASES = {
+    "plain, shared": dict(a=dict(lengths=[5, 3, 7, 4]), b=dict(lengths=[10, 9]), gaps=False, shared=True),
+    "gaps, shared": dict(a=dict(lengths=[5, 3, 7, 4], gaps=[2, 0, 3, 1]), b=dict(lengths=[9, 8], gaps=[4, 4]), gaps=True,
+                         shared=True),
+    "cross, gaps": dict(a=dict(lengths=[5, 3], lengths_kv=[2, 9], gaps=[1, 2]), b=dict(lengths=[4, 4], lengths_kv=[6, 5], gaps=[1, 2]),
+                        gaps=True, shared=False, mask=dict(attn_mask_type="padding_causal_bottom_right")),
+    "window": dict(a=dict(lengths=[5, 3, 7, 4]), b=dict(lengths=[19]), gaps=False, shared=True, mask=dict(window_size=(2, 0))),
+    "kv_layer": dict(a=dict(lengths=[5, 3, 7, 4]), b=dict(lengths=[1, 18]), gaps=False, shared=True, layers="kv_layer",
+                     mask=dict(qkv_interleave_dim=-3)),
+}
+
+
+@pytest.mark.parametrize("name", list(THD_CASES))
+def test_thd_hit_equals_full_path(name, full_paths):
+    case = THD_CASES[name]
+    mask = case.get("mask", {})
+    layers = case.get("layers", "separate")
+    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd", attn_mask_type="padding_causal")
+    _outputs(dpa, *_thd_call(_thd_batch(**case["a"]), case["gaps"], case["shared"], mask, layers))
+    p = _thd_batch(**case["b"], seed=1)
+    call = _thd_call(p, case["gaps"], case["shared"], mask, layers)
+    got = _outputs(dpa, *call)
+    assert len(full_paths) == 1, "the second call should reuse the first call's decisions"
+    fresh = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd", attn_mask_type="padding_causal")
+    _assert_identical(got, _outputs(fresh, *call))
+    assert dpa.last_selection == fresh.last_selection
+
+
+DENSE_CASES = [("bshd", "causal", None), ("sbhd", "no_mask", None), ("sbhd", "causal", -2), ("bshd", "no_mask", -3)]
+
+
+@pytest.mark.parametrize("fmt,mask,packed", DENSE_CASES)
+def test_dense_hit_equals_full_path(fmt, mask, packed, full_paths):
+    g = torch.Generator().manual_seed(3)
+
+    def call():
+        if packed is None:
+            leaves = [torch.randn(2, 6, h, D, generator=g, dtype=torch.float64).requires_grad_() for h in (H, HG, HG)]
+            return tuple(leaves), {}, leaves
+        shape = [2, 6, H, D]
+        shape.insert(len(shape) + 1 + packed, 3)
+        qkv = torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+        return (), dict(qkv_layer=qkv, qkv_interleave_dim=packed), [qkv]
+
+    heads = H if packed is not None else HG
+    dpa = DotProductAttention(H, D, num_gqa_groups=heads, qkv_format=fmt, attn_mask_type=mask)
+    _outputs(dpa, *call())
+    second = call()
+    got = _outputs(dpa, *second)
+    assert len(full_paths) == 1
+    _assert_identical(got, _outputs(DotProductAttention(H, D, num_gqa_groups=heads, qkv_format=fmt, attn_mask_type=mask),
+                                    *second))
+
+
+def _base_call():
+    p = _thd_batch([5, 3, 7, 4], gaps=[2, 0, 3, 1])
+    return p, (p.q, p.k, p.v), p.kwargs(True, 7, 7, shared=True)
+
+
+def _changed_calls():
+    """(what changed, how to call) pairs; each must take the full path after the base call."""
+    p, args, kw = _base_call()
+    other_cu = p.cu_q.clone()  # equal values, another object: no longer "shared"
+    q_strided = torch.randn(p.q.shape[0], 2 * H, D, dtype=torch.float64)[:, ::2].requires_grad_()
+    return {
+        "mask type": lambda dpa: dpa(*args, **kw, attn_mask_type="padding"),
+        "window": lambda dpa: dpa(*args, **kw, window_size=(3, 0)),
+        "separate cu_seqlens objects": lambda dpa: dpa(*args, **dict(kw, cu_seqlens_kv=other_cu)),
+        "no padded offsets": lambda dpa: dpa(*args, **{k: v for k, v in kw.items() if "padded" not in k}),
+        "pad_between_seqs given": lambda dpa: dpa(*args, **kw, pad_between_seqs=True),
+        "grad mode": lambda dpa: _no_grad(dpa, args, kw),
+        "strides": lambda dpa: dpa(q_strided, p.k, p.v, **kw),
+        "dtype": lambda dpa: dpa(*(t.detach().float() for t in args), **kw),
+        "eval mode": lambda dpa: dpa.eval()(*args, **kw),
+        "module mask attribute": lambda dpa: _set(dpa, "attn_mask_type", AttnMaskType.PADDING)(*args, **kw),
+        "selection switch": lambda dpa: _with_env(dpa, args, kw, NVTE_FLASH_ATTN="0"),
+    }
+
+
+def _no_grad(dpa, args, kw):
+    with torch.no_grad():
+        return dpa(*args, **kw)
+
+
+def _set(dpa, name, value):
+    setattr(dpa, name, value)
+    return dpa
+
+
+def _with_env(dpa, args, kw, **switches):
+    with env(**switches):
+        return dpa(*args, **kw)
+
+
+@pytest.mark.parametrize("change", list(_changed_calls()))
+def test_each_host_fact_in_the_key_misses(change, full_paths):
+    _, args, kw = _base_call()
+    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd", attn_mask_type="padding_causal")
+    dpa(*args, **kw)
+    dpa(*args, **kw)
+    assert len(full_paths) == 1
+    _changed_calls()[change](dpa)
+    assert len(full_paths) == 2, f"a changed {change} reused the old decisions"
+
+
+def test_a_switch_that_removes_every_backend_raises_on_a_repeated_call():
+    _, args, kw = _base_call()
+    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd", attn_mask_type="padding_causal")
+    dpa(*args, **kw)
+    with env(NVTE_UNFUSED_ATTN="0"), pytest.raises(NoBackendError):
+        dpa(*args, **kw)
+
+
+def _empty_cus():
+    cu, padded = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    return dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded)
+
+
+# Each change keeps which cu_seqlens objects are the same ones, so only the per-call check
+# itself can catch it (a changed identity would miss the cache and be caught by the full path).
+BAD_REPEATS = {
+    "max_seqlen_q negative": (True, dict(max_seqlen_q=-1), TypeError, "max_seqlen for cu_seqlens_q"),
+    "max_seqlen_kv a tensor": (True, dict(max_seqlen_kv=torch.tensor(7)), TypeError, "max_seqlen for cu_seqlens_kv"),
+    "cu_seqlens_kv length": (False, dict(cu_seqlens_kv=torch.tensor([0, 5, 8], dtype=torch.int32)), ValueError,
+                             "cu_seqlens_kv must have length batch_size"),
+    "cu_seqlens empty": (True, "empty", ValueError, "cu_seqlens_q must be a 1-D int32 tensor"),
+    "cu_seqlens_q a list": (False, dict(cu_seqlens_q=[0, 5, 8, 15, 19]), TypeError, "cu_seqlens_q must be a 1-D int32 tensor"),
+    "cu_seqlens_q int64": (False, dict(cu_seqlens_q=torch.tensor([0, 5, 8, 15, 19], dtype=torch.int64)), ValueError, "int32"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_REPEATS))
+def test_values_outside_the_key_are_still_checked(bad):
+    shared, change, error, text = BAD_REPEATS[bad]
+    p = _thd_batch([5, 3, 7, 4], gaps=[2, 0, 3, 1])
+    args, kw = (p.q, p.k, p.v), p.kwargs(True, 7, 7, shared=shared)
+    if not shared:
+        kw["cu_seqlens_kv"] = kw["cu_seqlens_kv"].clone()  # four distinct objects
+    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd", attn_mask_type="padding_causal")
+    dpa(*args, **kw)
+    with pytest.raises(error, match=text):
+        dpa(*args, **dict(kw, **(_empty_cus() if change == "empty" else change)))
+
+
+def test_value_validation_and_pointer_detection_always_take_the_full_path(full_paths):
+    _, args, kw = _base_call()
+    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd", attn_mask_type="padding_causal")
+    with env(NVTE_ATTN_VALIDATE="1"):
+        dpa(*args, **kw)
+        dpa(*args, **kw)
+    assert len(full_paths) == 2
+    qkv = torch.randn(19, 3, H, D, dtype=torch.float64)
+    p = _thd_batch([5, 3, 7, 4])
+    mha = DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding_causal")
+    with pytest.warns(DeprecationWarning):  # views of one buffer, found by pointers: never cached
+        for _ in range(2):
+            mha(*qkv.unbind(1), **p.kwargs(False, 7, 7, shared=True))
+    assert len(full_paths) == 4
+
+
+def test_the_cache_stays_bounded():
+    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd", attn_mask_type="padding_causal")
+    _, args, kw = _base_call()
+    for left in range(fast_path.MAX_RECIPES + 5):
+        dpa(*args, **kw, window_size=(left, 0))
+    assert 0 < len(dpa._recipes) <= fast_path.MAX_RECIPES
+
+
+# ------------------------------------------------------------------ what the key leaves out
+
+ALL_LIBS = InstalledLibraries(flash_attn_2="2.7.4", flash_attn_3="3.0.0", flash_attn_4="4.0.0b36", cudnn_frontend="1.32.0")
+
+
+def _thd_params():
+    masks = [m for m in AttnMaskType if m is not AttnMaskType.ARBITRARY and m.is_padding]
+    for mask, window, dropout, bias, gaps, shared, cc, training in itertools.product(
+            masks, [(-1, -1), (8, 0), (4, 4)], [0.0, 0.1], ["no_bias", "alibi"], [False, True], [False, True],
+            [(8, 0), (9, 0), (10, 0)], [False, True]):
+        if mask.is_causal and window[1] not in (-1, 0):
+            continue
+        window = (window[0], 0) if mask.is_causal else window
+        yield AttentionParams(qkv_format="thd", qkv_layout="thd_thd_thd", attn_mask_type=mask, window_size=window,
+                              attention_dropout=dropout, core_attention_bias_type=bias, pad_between_seqs=gaps,
+                              shared_cu_seqlens=shared, compute_capability=cc, is_training=training)
+
+
+def test_thd_selection_reads_neither_batch_size_nor_max_seqlen():
+    """The key leaves these per-batch values out; this holds only while no backend's rules read
+    them for THD. A rule that starts to must add them to ``fast_path.call_key``."""
+    for params in _thd_params():
+        want = get_attention_backend(params, ALL_LIBS)
+        for b, sq, skv in ((1, 1, 1), (3, 4096, 128), (1000, 128, 65536)):
+            varied = dataclasses.replace(params, batch_size=b, max_seqlen_q=sq, max_seqlen_kv=skv)
+            assert get_attention_backend(varied, ALL_LIBS) == want, varied

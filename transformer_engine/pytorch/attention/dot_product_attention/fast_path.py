@@ -1,0 +1,169 @@
+"""Repeated forward calls reuse DotProductAttention's host decisions.
+
+On launch-bound batches (many short sequences) forward's Python costs as much as the kernels.
+Its decisions (qkv layout, input checks, mask and window normalization, which offsets each
+packed side uses, backend selection) read host facts only: shapes, strides, dtypes, devices,
+which cu_seqlens tensors are the same object, the arguments, the module's settings, grad mode
+and the NVTE_* switches. :func:`call_key` gathers them; a call whose key matches an earlier
+one reuses that call's :class:`CallRecipe` and only assembles its inputs (:meth:`CallRecipe.inputs`).
+
+THD batch values (number of sequences, max_seqlen) are not in the key, so packed batches of a
+fixed token count keep hitting the cache as their sequence counts and lengths change: THD
+selection reads neither (``test_fast_path`` checks it over every backend's declaration), and
+the checks that do read them are repeated here. Always on the full path: calls whose extra
+tensors matter beyond their metadata (attention_mask, a bias, alibi_slopes, per-sequence
+policies), THD calls without max_seqlen (it is derived with a sync), dense calls with
+cu_seqlens, layouts found by pointer inspection, NVTE_ATTN_VALIDATE=1, and torch.compile
+tracing (which guards on these facts itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+
+from .masks import MaskSpec
+from .packed_qkv import ResolvedQKV, split_packed
+from .params import AttentionInputs
+from .thd import PackedSeqs, validation_enabled
+from .utils import _env_snapshot, stride_rules_out_packing
+
+# A module meets few distinct signatures (one per layer shape and mode); a full cache is
+# emptied rather than managed, which only costs the next calls a full path each.
+MAX_RECIPES = 32
+
+
+def new_inputs(q, k, v, qkv_format: str, mask: MaskSpec, softmax_scale: float, dropout_p: float) -> AttentionInputs:
+    """The inputs record both paths start from (sbhd runs as a transposed bshd view)."""
+    if qkv_format == "sbhd":
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    return AttentionInputs(q, k, v, "thd" if qkv_format == "thd" else "bshd", mask, softmax_scale, dropout_p)
+
+
+@dataclass(frozen=True)
+class CallRecipe:
+    """What the full path decided for one key."""
+
+    qkv_format: str
+    packing: Optional[str]  # "qkv" / "kv" when declared through qkv_layer / kv_layer
+    interleave_dim: int
+    mask: MaskSpec
+    q_padded: bool  # THD: the queries' offsets are cu_seqlens_q_padded (else cu_seqlens_q)
+    kv_padded: bool
+    selection: Any  # utils.BackendSelection
+
+    def inputs(self, module, layers: Sequence[Optional[torch.Tensor]], interleave_dim: int, cus, max_seqlens) -> AttentionInputs:
+        query, key, value, qkv_layer, kv_layer = layers
+        if self.packing == "qkv":
+            query, key, value = split_packed(qkv_layer, interleave_dim)
+        elif self.packing == "kv":
+            key, value = split_packed(kv_layer, interleave_dim)
+        inp = new_inputs(query, key, value, self.qkv_format, self.mask, module.softmax_scale, module.attention_dropout)
+        if self.qkv_format == "thd":
+            cu_q, cu_kv, cu_q_pad, cu_kv_pad = cus
+            inp.packed_q = PackedSeqs(cu_q, cu_q_pad if self.q_padded else cu_q, max_seqlens[0], inp.q.shape[0])
+            inp.packed_kv = PackedSeqs(cu_kv, cu_kv_pad if self.kv_padded else cu_kv, max_seqlens[1], inp.k.shape[0])
+        inp.extras["bias_shape"] = None
+        return inp
+
+
+def recipe_of(inp: AttentionInputs, selection, qkv_format: str, qkv: ResolvedQKV, interleave_dim: int) -> Optional[CallRecipe]:
+    """The recipe of a full-path call, or None when part of its outcome came from tensor values
+    or pointers (that part would not repeat for another call with the same key)."""
+    if inp.policies is not None or inp.q_valid is not None or inp.kv_valid is not None or inp.arbitrary_mask is not None:
+        return None
+    if not qkv.declared and not stride_rules_out_packing(qkv.q, qkv.k, qkv.v):
+        return None
+    q_padded = kv_padded = False
+    if inp.is_thd:
+        q_padded = inp.packed_q.offsets is not inp.packed_q.cu_seqlens
+        kv_padded = inp.packed_kv.offsets is not inp.packed_kv.cu_seqlens
+    return CallRecipe(qkv_format, qkv.packing if qkv.declared else None, interleave_dim, inp.mask, q_padded, kv_padded, selection)
+
+
+def _tensor_facts(t) -> Optional[tuple]:
+    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def _same_as(cus, c) -> int:
+    """Index of the first of ``cus`` that is ``c`` itself (identity decides gaps and sharing)."""
+    for i, other in enumerate(cus):
+        if other is c:
+            return i
+    return -1
+
+
+def _thd_facts(cus, max_seqlens, pad_between_seqs) -> Optional[tuple]:
+    """The THD part of the key, or None where the full path must run (it also raises there)."""
+    if type(pad_between_seqs) not in (type(None), bool):
+        return None
+    for m in max_seqlens:
+        if type(m) is not int or m < 0:
+            return None
+    n = None
+    facts = []
+    for c in cus:
+        if c is None:
+            facts.append(None)
+            continue
+        if type(c) is not torch.Tensor:
+            return None
+        if n is None:
+            n = c.numel()
+        if c.numel() != n:
+            return None
+        facts.append((c.dtype, c.dim(), c.device, _same_as(cus, c)))
+    if not n:  # needs cu_seqlens_q of at least one entry (the full path names what is wrong)
+        return None
+    return tuple(facts), pad_between_seqs
+
+
+def call_key(module, qkv_format, layers, interleave_dim, cus, max_seqlens, attn_mask_type, window_size,
+             pad_between_seqs) -> Optional[tuple]:
+    """Every host fact the full path's decisions read, or None if this call must take it.
+
+    ``layers`` = (query, key, value, qkv_layer, kv_layer); ``cus`` = (cu_seqlens_q,
+    cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded); ``max_seqlens`` = (q, kv)."""
+    if torch.compiler.is_compiling() or validation_enabled():
+        return None
+    facts = []
+    for t in layers:
+        if t is None:
+            facts.append(None)
+        elif type(t) is torch.Tensor:
+            facts.append(_tensor_facts(t))
+        else:
+            return None
+    fmt = qkv_format if qkv_format is not None else module.qkv_format
+    if fmt == "thd":
+        thd = _thd_facts(cus, max_seqlens, pad_between_seqs)
+        if thd is None:
+            return None
+    elif any(c is not None for c in cus):
+        return None  # dense padding from cu_seqlens: built from the tensors on every call
+    else:
+        thd = None
+    settings = (module.training, module.attention_dropout, module.qkv_format, module.attn_mask_type, module.window_size,
+                module.num_attention_heads, module.num_gqa_groups, module.head_dims)
+    return (fmt, tuple(facts), interleave_dim, thd, attn_mask_type, window_size, settings, torch.is_grad_enabled(),
+            _env_snapshot())
+
+
+def lookup(cache: Dict[tuple, CallRecipe], key: Optional[tuple]) -> Optional[CallRecipe]:
+    try:
+        return cache.get(key)
+    except TypeError:  # an unhashable argument (a window given as a list): the full path runs
+        return None
+
+
+def remember(cache: Dict[tuple, CallRecipe], key: Optional[tuple], recipe: Optional[CallRecipe]) -> None:
+    if key is None or recipe is None:
+        return
+    if len(cache) >= MAX_RECIPES:
+        cache.clear()
+    try:
+        cache[key] = recipe
+    except TypeError:
+        pass
