@@ -78,6 +78,45 @@ def test_triton_kernel_writes_exactly_the_unowned_rows(layout):
     assert torch.equal(x.cpu(), want)
 
 
+def _side(draw, b):
+    lengths = draw(st.lists(st.integers(0, 30), min_size=b, max_size=b))
+    gaps = draw(st.lists(st.integers(0, 30), min_size=b, max_size=b))
+    cu, off = [0], [draw(st.integers(0, 4))]
+    for n, g in zip(lengths, gaps):
+        cu.append(cu[-1] + n)
+        off.append(off[-1] + n + g)
+    return cu, off, off[-1] + draw(st.integers(0, 30))
+
+
+@st.composite
+def qkv_layouts(draw):
+    b = draw(st.integers(0, 4))
+    return b, _side(draw, b), _side(draw, b), draw(st.sampled_from([-1, 0, 5, 16])), draw(st.booleans())
+
+
+@settings(max_examples=20, deadline=None)
+@given(qkv_layouts())
+def test_triton_kernel_three_tensors_in_one_launch(layout):
+    """q by the query side, k and v by the key/value side, each with its own head count and
+    head dim (GQA, dv != d), in one launch: each gets exactly its own unowned rows."""
+    from transformer_engine.pytorch.attention.dot_product_attention.gap_rows import launch_triton
+
+    b, (cu_q, off_q, tq), (cu_kv, off_kv, tkv), max_rows, shared_kv = layout
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.randn(tq, 4, 6, device=device)
+    k = torch.randn(tkv, 2, 6, device=device)
+    v = k if shared_kv else torch.randn(tkv, 2, 3, device=device)
+    want = []
+    for t, cu, off in ((q, cu_q, off_q), (k, cu_kv, off_kv), (v, cu_kv, off_kv)):
+        w = t.cpu().clone()
+        w[unowned_rows(_i32(cu), _i32(off), t.shape[0], max_rows)] = 0
+        want.append(w)
+    launch_triton(q, _i32(cu_q).to(device), _i32(off_q).to(device), max_rows, (k,) if shared_kv else (k, v),
+                  _i32(cu_kv).to(device), _i32(off_kv).to(device))
+    for got, w in zip((q, k, v), want):
+        assert torch.equal(got.cpu(), w)
+
+
 # ------------------------------------------------------------------ FA4 emulated on the CPU
 
 TILE = 16  # the emulation's tile: rows up to the next multiple of TILE enter the products
@@ -136,7 +175,8 @@ def _sequences(cu_q, cu_kv, used_q, used_kv):
 class _FakeOps:
     fa4_fwd = staticmethod(fake_fa4_fwd)
     fa4_bwd = staticmethod(fake_fa4_bwd)
-    zero_gap_rows = staticmethod(gap_rows.zero_gap_rows)  # the real op (its CPU branch)
+    zero_gap_rows = staticmethod(gap_rows.zero_gap_rows)  # the real ops (their CPU branches)
+    zero_gap_rows_qkv = staticmethod(gap_rows.zero_gap_rows_qkv)
 
 
 @pytest.fixture

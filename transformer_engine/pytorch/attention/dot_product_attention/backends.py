@@ -12,12 +12,12 @@ between sequences, the tail, other policies' rows) come out exactly 0, forward a
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import ClassVar, List, Optional, Sequence, Tuple
 
 import torch
 
+from .environment import Switch
 from .gpu_ops import ops  # the kernels (registers the custom ops; imports no GPU library)
 from .gap_rows import FA4_MAX_TILE_ROWS
 from .masks import AttnMaskType, MaskSpec
@@ -154,10 +154,7 @@ class _KernelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, kernel, inp: AttentionInputs, plan: Optional[VarlenPlan], guard: str, need_stats: bool,
                 alibi: bool, dropout_p: float):
-        if guard == "copy":
-            q, k, v = _zero_spill_rows(inp, *(t.clone() for t in (q, k, v)))
-        rng = _draw_rng(q.device) if dropout_p > 0 else None
-        out, stats = kernel.forward(q, k, v, ScoreFeatures(bias, alibi, dropout_p, rng), inp, plan, _calls(inp, plan), need_stats)
+        q, k, v, out, rng, stats = _kernel_forward(q, k, v, bias, kernel, inp, plan, guard, need_stats, alibi, dropout_p)
         ctx.kernel, ctx.inp, ctx.plan, ctx.alibi, ctx.dropout_p = kernel, inp, plan, alibi, dropout_p
         if need_stats:
             ctx.save_for_backward(q, k, v, out, bias, rng, *stats)
@@ -173,6 +170,15 @@ class _KernelAttention(torch.autograd.Function):
         return dq, dk, dv, dbias, None, None, None, None, None, None, None
 
 
+def _kernel_forward(q, k, v, bias, kernel, inp, plan, guard, need_stats, alibi, dropout_p):
+    """The forward of :class:`_KernelAttention`; also called alone when nothing needs gradients."""
+    if guard == "copy":
+        q, k, v = _zero_spill_rows(inp, *(t.clone() for t in (q, k, v)))
+    rng = _draw_rng(q.device) if dropout_p > 0 else None
+    out, stats = kernel.forward(q, k, v, ScoreFeatures(bias, alibi, dropout_p, rng), inp, plan, _calls(inp, plan), need_stats)
+    return q, k, v, out, rng, stats
+
+
 def _gap_guard(plan: Optional[VarlenPlan], kernel) -> str:
     """How the NaN guard of FA4 (and FA3) runs for this call: "inplace" (default), "copy", "off".
 
@@ -185,7 +191,7 @@ def _gap_guard(plan: Optional[VarlenPlan], kernel) -> str:
     copies: an in-place write to graph inputs would become a copy there anyway."""
     if plan is None or not plan.has_gaps or not kernel.SANITIZE_GAPS:
         return "off"
-    mode = os.getenv("NVTE_FLASH_ATTN_SANITIZE_GAPS", "1")
+    mode = _SANITIZE_GAPS.get("1")
     if mode == "0":
         return "off"
     if mode == "copy" or torch.compiler.is_compiling():
@@ -193,13 +199,17 @@ def _gap_guard(plan: Optional[VarlenPlan], kernel) -> str:
     return "inplace"
 
 
+_SANITIZE_GAPS = Switch("NVTE_FLASH_ATTN_SANITIZE_GAPS")
+
+
 def _zero_spill_rows(inp: AttentionInputs, q, k, v):
     """Zero, in place, the rows of q/k/v that FA4 may load past each sequence end."""
-    done: List[torch.Tensor] = []
-    for t, packed in ((q, inp.packed_q), (k, inp.packed_kv), (v, inp.packed_kv)):
-        if not any(t is seen for seen in done):  # k and v may be one tensor
-            ops.zero_gap_rows(t, packed.cu_seqlens, packed.offsets, FA4_MAX_TILE_ROWS)
-            done.append(t)
+    pq, pk = inp.packed_q, inp.packed_kv
+    if k is v:  # one tensor passed as both: zeroed once (a fused op must not get it twice)
+        ops.zero_gap_rows(q, pq.cu_seqlens, pq.offsets, FA4_MAX_TILE_ROWS)
+        ops.zero_gap_rows(k, pk.cu_seqlens, pk.offsets, FA4_MAX_TILE_ROWS)
+    else:
+        ops.zero_gap_rows_qkv(q, k, v, pq.cu_seqlens, pq.offsets, pk.cu_seqlens, pk.offsets, FA4_MAX_TILE_ROWS)
     return q, k, v
 
 
@@ -219,7 +229,10 @@ def _run_kernel(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan], traini
     # Without gradients FA4 may skip its log-sum-exp (``needs_input_grad`` ignores no_grad).
     need_stats = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (inp.q, inp.k, inp.v, bias))
     dropout_p = inp.dropout_p if training else 0.0
-    return _KernelAttention.apply(inp.q, inp.k, inp.v, bias, kernel, inp, plan, guard, need_stats, inp.bias_type == "alibi", dropout_p)
+    args = (inp.q, inp.k, inp.v, bias, kernel, inp, plan, guard, need_stats, inp.bias_type == "alibi", dropout_p)
+    if not need_stats:  # nothing to differentiate: skip autograd.Function.apply (~10 us of host time)
+        return _kernel_forward(*args)[3]
+    return _KernelAttention.apply(*args)
 
 
 def _calls(inp: AttentionInputs, plan: Optional[VarlenPlan]) -> List[VarlenCall]:
@@ -324,9 +337,8 @@ class _FA4Kernel:
             ops.fa4_bwd(dout, q, k, v, out, stats[0], dq, dk, dv, *_FA4Kernel._varlen(inp, plan, call),
                         inp.softmax_scale, *fa_mask_args(call.spec), torch.are_deterministic_algorithms_enabled())
         if plan is not None:
-            for grad, packed, offsets in ((dq, inp.packed_q, plan.offsets_q), (dk, inp.packed_kv, plan.offsets_kv),
-                                          (dv, inp.packed_kv, plan.offsets_kv)):
-                ops.zero_gap_rows(grad, packed.cu_seqlens, offsets, -1)
+            ops.zero_gap_rows_qkv(dq, dk, dv, inp.packed_q.cu_seqlens, plan.offsets_q, inp.packed_kv.cu_seqlens,
+                                  plan.offsets_kv, -1)
         return dq, dk, dv, None
 
     @staticmethod

@@ -28,6 +28,7 @@ is also the reference the kernel is tested against.
 from __future__ import annotations
 
 import functools
+from typing import Optional, Tuple
 
 import torch
 
@@ -55,56 +56,35 @@ def unowned_rows(cu_seqlens: torch.Tensor, offsets: torch.Tensor, total: int, ma
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
-    """The Triton kernel, built on first use (Triton reads ``TRITON_INTERPRET`` when it is built)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def zero_rows(x_ptr, cu_ptr, off_ptr, n_seqs, n_rows, max_rows, stride_t, stride_h, stride_d,
-                  D: tl.constexpr, HD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        seg = tl.program_id(0)
-        part = tl.program_id(1)
-        n_parts = tl.num_programs(1)
-        b = seg - 1
-        has_seq = seg > 0
-        # Segment 0: [0, offsets[0]). Segment b+1: [offsets[b] + len_b, offsets[b+1]), or up to
-        # n_rows for the last sequence (its gap and the tail are one run of rows).
-        seq_off = tl.load(off_ptr + b, mask=has_seq, other=0)
-        seq_len = tl.load(cu_ptr + b + 1, mask=has_seq, other=0) - tl.load(cu_ptr + b, mask=has_seq, other=0)
-        start = seq_off + seq_len
-        next_off = tl.load(off_ptr + seg)
-        stop = tl.where(seg == n_seqs, n_rows, next_off)
-        stop = tl.where(max_rows >= 0, tl.minimum(stop, start + max_rows), stop)
-        stop = tl.minimum(stop, n_rows)
-        cols = tl.arange(0, BLOCK_C)
-        for r0 in range(start + part * BLOCK_R, stop, n_parts * BLOCK_R):
-            rows = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
-            row_ok = rows < stop
-            for c0 in range(0, HD, BLOCK_C):
-                c = c0 + cols
-                col_off = (c // D) * stride_h + (c % D) * stride_d
-                ptrs = x_ptr + rows[:, None] * stride_t + col_off[None, :]
-                tl.store(ptrs, tl.zeros((BLOCK_R, BLOCK_C), dtype=x_ptr.dtype.element_ty),
-                         mask=row_ok[:, None] & (c < HD)[None, :])
+    """The Triton kernel, imported on first use (Triton reads ``TRITON_INTERPRET`` then)."""
+    from ._gap_rows_kernel import zero_rows
 
     return zero_rows
 
 
-def launch_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, offsets: torch.Tensor, max_rows: int) -> None:
-    """Run the Triton kernel on ``x`` ([T, H, D], any strides); CUDA, or the CPU under
+def launch_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, offsets: torch.Tensor, max_rows: int,
+                  kv: Tuple[torch.Tensor, ...] = (), cu_seqlens_kv: Optional[torch.Tensor] = None,
+                  offsets_kv: Optional[torch.Tensor] = None) -> None:
+    """Run the Triton kernel on ``x`` ([T, H, D], any strides) and, in the same launch, on up to
+    two tensors ``kv`` laid out by ``cu_seqlens_kv``/``offsets_kv``; CUDA, or the CPU under
     ``TRITON_INTERPRET=1`` (how the tests check it without a GPU)."""
     import triton
 
-    t, h, d = x.shape
-    n_seqs = offsets.numel() - 1
-    if t == 0:
+    tensors = (x, *kv)
+    rows_a, rows_b = x.shape[0], (kv[0].shape[0] if kv else 0)
+    if max(rows_a, rows_b) == 0:
         return
-    segments = n_seqs + 1
-    rows_per_segment = t if max_rows < 0 else min(t, max_rows)
+    segments = offsets.numel()  # sequences + 1
+    rows_per_segment = max(rows_a, rows_b) if max_rows < 0 else min(max(rows_a, rows_b), max_rows)
     n_parts = max(1, min(triton.cdiv(rows_per_segment, _BLOCK_ROWS), _MAX_PROGRAMS // segments))
-    _kernel()[(segments, n_parts)](
-        x, cu_seqlens, offsets, n_seqs, t, max_rows, *x.stride(),
-        D=d, HD=h * d, BLOCK_R=_BLOCK_ROWS, BLOCK_C=min(triton.next_power_of_2(h * d), 1024),
+    slots = tensors + (x,) * (3 - len(tensors))  # unused slots repeat x (never visited: grid axis 2)
+    dims = [(t.shape[-1], t.shape[-2] * t.shape[-1]) for t in slots]
+    _kernel()[(segments, n_parts, len(tensors))](
+        *slots, cu_seqlens, offsets, cu_seqlens if cu_seqlens_kv is None else cu_seqlens_kv,
+        offsets if offsets_kv is None else offsets_kv, segments - 1, rows_a, rows_b, max_rows,
+        *slots[0].stride(), *slots[1].stride(), *slots[2].stride(),
+        D0=dims[0][0], HD0=dims[0][1], D1=dims[1][0], HD1=dims[1][1], D2=dims[2][0], HD2=dims[2][1],
+        BLOCK_R=_BLOCK_ROWS, BLOCK_C=min(triton.next_power_of_2(max(hd for _, hd in dims)), 1024),
     )
 
 
@@ -116,9 +96,29 @@ def zero_gap_rows(x: torch.Tensor, cu_seqlens: torch.Tensor, offsets: torch.Tens
         x.masked_fill_(unowned_rows(cu_seqlens, offsets, x.shape[0], max_rows).view(-1, 1, 1), 0)
 
 
+def zero_gap_rows_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      offsets_q: torch.Tensor, cu_seqlens_kv: torch.Tensor, offsets_kv: torch.Tensor, max_rows: int) -> None:
+    """``zero_gap_rows`` on q (query side) and on k and v (key/value side), in one launch on CUDA.
+    ``k`` may be ``v``."""
+    if q.device.type == "cuda":
+        launch_triton(q, cu_seqlens_q, offsets_q, max_rows, (k,) if k is v else (k, v), cu_seqlens_kv, offsets_kv)
+        return
+    zero_gap_rows(q, cu_seqlens_q, offsets_q, max_rows)
+    for t in (k,) if k is v else (k, v):
+        zero_gap_rows(t, cu_seqlens_kv, offsets_kv, max_rows)
+
+
 zero_gap_rows_op = torch.library.custom_op("te_attn::zero_gap_rows", zero_gap_rows, mutates_args=("x",))
 
 
 @zero_gap_rows_op.register_fake
 def _(x, cu_seqlens, offsets, max_rows) -> None:
+    return None
+
+
+zero_gap_rows_qkv_op = torch.library.custom_op("te_attn::zero_gap_rows_qkv", zero_gap_rows_qkv, mutates_args=("q", "k", "v"))
+
+
+@zero_gap_rows_qkv_op.register_fake
+def _(q, k, v, cu_seqlens_q, offsets_q, cu_seqlens_kv, offsets_kv, max_rows) -> None:
     return None

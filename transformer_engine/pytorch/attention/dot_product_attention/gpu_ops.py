@@ -501,7 +501,7 @@ def _(dout, q, k, v, out, stats, offsets_q, offsets_kv, seqlens_q, seqlens_kv, b
 
 
 _EAGER = {"fa4_fwd": fa4_fwd, "fa4_bwd": fa4_bwd, "cudnn_fwd": cudnn_fwd, "cudnn_bwd": cudnn_bwd,
-          "zero_gap_rows": gap_rows.zero_gap_rows}
+          "zero_gap_rows": gap_rows.zero_gap_rows, "zero_gap_rows_qkv": gap_rows.zero_gap_rows_qkv}
 
 
 class KernelOps:
