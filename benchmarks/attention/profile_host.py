@@ -52,7 +52,7 @@ def phases(name, fwd, inputs) -> None:
 def main():
     import argparse
 
-    from transformer_engine.pytorch.attention.dot_product_attention.gap_rows import zero_gap_rows
+    from transformer_engine.pytorch.attention.dot_product_attention.gap_rows import zero_gap_rows, zero_gap_rows_qkv
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", default="FA4", choices=("FA4", "cuDNN"))
@@ -64,7 +64,9 @@ def main():
         direct, dpa = steps(direct_fwd, direct_inputs), steps(fwd, inputs)
         print(f"[host] step direct {host_us(direct['fwd+bwd'], n=200):.0f} us, DPA {host_us(dpa['fwd+bwd'], n=200):.0f} us")
         x, c = inputs[0].detach(), cu(lengths)
+        y, z = (t.detach() for t in inputs[1:])
         print(f"[host] zero_gap_rows {host_us(lambda: zero_gap_rows(x, c, c, -1), n=200):.1f} us; "
+              f"zero_gap_rows_qkv {host_us(lambda: zero_gap_rows_qkv(x, y, z, c, c, c, c, -1), n=200):.1f} us; "
               f"torch.empty {host_us(lambda: torch.empty_like(x), n=200):.1f} us")
         phases("direct", direct_fwd, direct_inputs)
         phases("DPA", fwd, inputs)

@@ -55,11 +55,11 @@ def unowned_rows(cu_seqlens: torch.Tensor, offsets: torch.Tensor, total: int, ma
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel():
-    """The Triton kernel, imported on first use (Triton reads ``TRITON_INTERPRET`` then)."""
-    from ._gap_rows_kernel import zero_rows
+def _kernels():
+    """The Triton kernels, imported on first use (Triton reads ``TRITON_INTERPRET`` then)."""
+    from ._gap_rows_kernel import zero_rows, zero_rows_qkv
 
-    return zero_rows
+    return zero_rows, zero_rows_qkv
 
 
 def launch_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, offsets: torch.Tensor, max_rows: int,
@@ -70,18 +70,21 @@ def launch_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, offsets: torch.Tens
     ``TRITON_INTERPRET=1`` (how the tests check it without a GPU)."""
     import triton
 
-    tensors = (x, *kv)
-    rows_a, rows_b = x.shape[0], (kv[0].shape[0] if kv else 0)
-    if max(rows_a, rows_b) == 0:
+    rows = max(x.shape[0], kv[0].shape[0] if kv else 0)
+    if rows == 0:
         return
     segments = offsets.numel()  # sequences + 1
-    rows_per_segment = max(rows_a, rows_b) if max_rows < 0 else min(max(rows_a, rows_b), max_rows)
-    n_parts = max(1, min(triton.cdiv(rows_per_segment, _BLOCK_ROWS), _MAX_PROGRAMS // segments))
-    slots = tensors + (x,) * (3 - len(tensors))  # unused slots repeat x (never visited: grid axis 2)
+    n_parts = max(1, min(triton.cdiv(rows if max_rows < 0 else min(rows, max_rows), _BLOCK_ROWS), _MAX_PROGRAMS // segments))
+    one, many = _kernels()
+    if not kv:
+        hd = x.shape[-2] * x.shape[-1]
+        one[(segments, n_parts)](x, cu_seqlens, offsets, x.shape[0], max_rows, *x.stride(), D=x.shape[-1], HD=hd,
+                                 BLOCK_R=_BLOCK_ROWS, BLOCK_C=min(triton.next_power_of_2(hd), 1024))
+        return
+    slots = (x, *kv, kv[0])[:3]  # with one kv tensor the third slot is never visited (grid axis 2 = 2)
     dims = [(t.shape[-1], t.shape[-2] * t.shape[-1]) for t in slots]
-    _kernel()[(segments, n_parts, len(tensors))](
-        *slots, cu_seqlens, offsets, cu_seqlens if cu_seqlens_kv is None else cu_seqlens_kv,
-        offsets if offsets_kv is None else offsets_kv, segments - 1, rows_a, rows_b, max_rows,
+    many[(segments, n_parts, 1 + len(kv))](
+        *slots, cu_seqlens, offsets, cu_seqlens_kv, offsets_kv, x.shape[0], kv[0].shape[0], max_rows,
         *slots[0].stride(), *slots[1].stride(), *slots[2].stride(),
         D0=dims[0][0], HD0=dims[0][1], D1=dims[1][0], HD1=dims[1][1], D2=dims[2][0], HD2=dims[2][1],
         BLOCK_R=_BLOCK_ROWS, BLOCK_C=min(triton.next_power_of_2(max(hd for _, hd in dims)), 1024),

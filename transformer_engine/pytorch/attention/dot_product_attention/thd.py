@@ -80,8 +80,9 @@ class PackedSeqs:
         return self.offsets is not self.cu_seqlens
 
     def seqlens(self) -> torch.Tensor:
-        """Valid length of each sequence, [B] int32."""
-        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+        """Valid length of each sequence, [B] int32 (one op: diff costs less host time than two
+        slices and a subtraction)."""
+        return torch.diff(self.cu_seqlens)
 
     def token_seq_ids(self) -> torch.Tensor:
         """Sequence index of each token row, [T] int64; rows past the last slot get B."""
