@@ -164,8 +164,8 @@ def alternate(paths: dict, with_bwd: bool) -> dict:
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
-def uniform_section(rows, head_dims):
-    for batch, lengths in BATCHES.items():
+def uniform_section(rows, head_dims, batches=tuple(BATCHES)):
+    for batch, lengths in ((b, BATCHES[b]) for b in batches):
         for d in head_dims:
             for causal in (True, False):
                 mask = "padding_causal" if causal else "padding"
@@ -374,13 +374,14 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--sections", default="uniform,gaps,per_seq,dense,features")
     ap.add_argument("--head-dims", default="128,64")
+    ap.add_argument("--batches", default=",".join(BATCHES), help="uniform section: which of " + ", ".join(BATCHES))
     args = ap.parse_args()
     torch.manual_seed(0)
     device = torch.cuda.get_device_name()
     rows = []
     sections = args.sections.split(",")
     if "uniform" in sections:
-        uniform_section(rows, [int(x) for x in args.head_dims.split(",")])
+        uniform_section(rows, [int(x) for x in args.head_dims.split(",")], args.batches.split(","))
     if "gaps" in sections:
         gaps_section(rows)
     if "per_seq" in sections:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -147,36 +147,50 @@ def _draw_rng(device: torch.device) -> torch.Tensor:
     return torch.randint(0, 1 << 62, (2,), dtype=torch.int64, device=device)
 
 
+@dataclass
+class KernelCall:
+    """The non-tensor half of one kernel run: who translates the arguments (``kernel``), the
+    inputs and THD plan, the NaN guard mode, and the score features' flags. One object, so the
+    autograd.Function gets five arguments instead of eleven (each costs host time in apply)."""
+
+    kernel: Any
+    inp: AttentionInputs
+    plan: Optional[VarlenPlan]
+    guard: str
+    need_stats: bool
+    alibi: bool
+    dropout_p: float
+
+    def forward(self, q, k, v, bias):
+        """(q, k, v as the kernel read them, out, rng, stats)."""
+        if self.guard == "copy":
+            q, k, v = _zero_spill_rows(self.inp, *(t.clone() for t in (q, k, v)))
+        rng = _draw_rng(q.device) if self.dropout_p > 0 else None
+        features = ScoreFeatures(bias, self.alibi, self.dropout_p, rng)
+        out, stats = self.kernel.forward(q, k, v, features, self.inp, self.plan, _calls(self.inp, self.plan), self.need_stats)
+        return q, k, v, out, rng, stats
+
+
 class _KernelAttention(torch.autograd.Function):
-    """FA4 and cuDNN through their custom ops; ``kernel`` translates the arguments and decides
-    how the calls of several policies are combined (see each kernel class)."""
+    """FA4 and cuDNN through their custom ops; ``call.kernel`` translates the arguments and
+    decides how the calls of several policies are combined (see each kernel class)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, kernel, inp: AttentionInputs, plan: Optional[VarlenPlan], guard: str, need_stats: bool,
-                alibi: bool, dropout_p: float):
-        q, k, v, out, rng, stats = _kernel_forward(q, k, v, bias, kernel, inp, plan, guard, need_stats, alibi, dropout_p)
-        ctx.kernel, ctx.inp, ctx.plan, ctx.alibi, ctx.dropout_p = kernel, inp, plan, alibi, dropout_p
-        if need_stats:
-            ctx.save_for_backward(q, k, v, out, bias, rng, *stats)
+    def forward(ctx, q, k, v, bias, call: KernelCall):
+        q, k, v, out, rng, stats = call.forward(q, k, v, bias)
+        ctx.call = call
+        ctx.save_for_backward(q, k, v, out, bias, rng, *stats)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, bias, rng, *stats = ctx.saved_tensors
+        call = ctx.call
         dout = dout if dout.stride() == out.stride() else dout.contiguous()
-        features = ScoreFeatures(bias, ctx.alibi, ctx.dropout_p, rng)
-        dq, dk, dv, dbias = ctx.kernel.backward(dout, q, k, v, out, stats, features, ctx.needs_input_grad[3], ctx.inp, ctx.plan,
-                                                _calls(ctx.inp, ctx.plan))
-        return dq, dk, dv, dbias, None, None, None, None, None, None, None
-
-
-def _kernel_forward(q, k, v, bias, kernel, inp, plan, guard, need_stats, alibi, dropout_p):
-    """The forward of :class:`_KernelAttention`; also called alone when nothing needs gradients."""
-    if guard == "copy":
-        q, k, v = _zero_spill_rows(inp, *(t.clone() for t in (q, k, v)))
-    rng = _draw_rng(q.device) if dropout_p > 0 else None
-    out, stats = kernel.forward(q, k, v, ScoreFeatures(bias, alibi, dropout_p, rng), inp, plan, _calls(inp, plan), need_stats)
-    return q, k, v, out, rng, stats
+        features = ScoreFeatures(bias, call.alibi, call.dropout_p, rng)
+        dq, dk, dv, dbias = call.kernel.backward(dout, q, k, v, out, stats, features, ctx.needs_input_grad[3], call.inp,
+                                                 call.plan, _calls(call.inp, call.plan))
+        return dq, dk, dv, dbias, None  # nothing for ``call``
 
 
 def _gap_guard(plan: Optional[VarlenPlan], kernel) -> str:
@@ -228,11 +242,10 @@ def _run_kernel(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan], traini
     bias = inp.bias.to(inp.q.dtype).contiguous() if inp.bias_type == "post_scale_bias" else None
     # Without gradients FA4 may skip its log-sum-exp (``needs_input_grad`` ignores no_grad).
     need_stats = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (inp.q, inp.k, inp.v, bias))
-    dropout_p = inp.dropout_p if training else 0.0
-    args = (inp.q, inp.k, inp.v, bias, kernel, inp, plan, guard, need_stats, inp.bias_type == "alibi", dropout_p)
+    call = KernelCall(kernel, inp, plan, guard, need_stats, inp.bias_type == "alibi", inp.dropout_p if training else 0.0)
     if not need_stats:  # nothing to differentiate: skip autograd.Function.apply (~10 us of host time)
-        return _kernel_forward(*args)[3]
-    return _KernelAttention.apply(*args)
+        return call.forward(inp.q, inp.k, inp.v, bias)[3]
+    return _KernelAttention.apply(inp.q, inp.k, inp.v, bias, call)
 
 
 def _calls(inp: AttentionInputs, plan: Optional[VarlenPlan]) -> List[VarlenCall]:
