@@ -36,6 +36,7 @@ def zero_segment(x_ptr, cu_ptr, off_ptr, n_seqs, n_rows, max_rows, stride_t, str
             tl.store(ptrs, tl.zeros((BLOCK_R, BLOCK_C), dtype=x_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & (c < HD)[None, :])
 
+
 @triton.jit
 def zero_rows(x, cu, off, n_rows, max_rows, st, sh, sd, D: tl.constexpr, HD: tl.constexpr, BLOCK_R: tl.constexpr,
               BLOCK_C: tl.constexpr):

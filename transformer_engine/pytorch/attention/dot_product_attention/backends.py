@@ -219,7 +219,7 @@ _SANITIZE_GAPS = Switch("NVTE_FLASH_ATTN_SANITIZE_GAPS")
 def _zero_spill_rows(inp: AttentionInputs, q, k, v):
     """Zero, in place, the rows of q/k/v that FA4 may load past each sequence end."""
     pq, pk = inp.packed_q, inp.packed_kv
-    if k is v:  # one tensor passed as both: zeroed once (a fused op must not get it twice)
+    if k is v:  # one tensor passed as both: the registered fused op must not get it twice
         ops.zero_gap_rows(q, pq.cu_seqlens, pq.offsets, FA4_MAX_TILE_ROWS)
         ops.zero_gap_rows(k, pk.cu_seqlens, pk.offsets, FA4_MAX_TILE_ROWS)
     else:

@@ -8,7 +8,7 @@ Switches are read at each call, never cached, so flipping one takes effect at on
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
+from typing import Tuple
 
 _DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
 

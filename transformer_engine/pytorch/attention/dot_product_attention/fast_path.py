@@ -28,7 +28,7 @@ from .masks import MaskSpec
 from .packed_qkv import ResolvedQKV, split_packed
 from .params import AttentionInputs
 from .thd import PackedSeqs, validation_enabled
-from .utils import _env_snapshot, stride_rules_out_packing
+from .utils import env_snapshot, stride_rules_out_packing
 
 # A module meets few distinct signatures (one per layer shape and mode); a full cache is
 # emptied rather than managed, which only costs the next calls a full path each.
@@ -83,7 +83,7 @@ def recipe_of(inp: AttentionInputs, selection, qkv_format: str, qkv: ResolvedQKV
     return CallRecipe(qkv_format, qkv.packing if qkv.declared else None, interleave_dim, inp.mask, q_padded, kv_padded, selection)
 
 
-def _tensor_facts(t) -> Optional[tuple]:
+def _tensor_facts(t) -> tuple:
     return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
 
 
@@ -148,7 +148,7 @@ def call_key(module, qkv_format, layers, interleave_dim, cus, max_seqlens, attn_
     settings = (module.training, module.attention_dropout, module.qkv_format, module.attn_mask_type, module.window_size,
                 module.num_attention_heads, module.num_gqa_groups, module.head_dims)
     return (fmt, tuple(facts), interleave_dim, thd, attn_mask_type, window_size, settings, torch.is_grad_enabled(),
-            _env_snapshot())
+            env_snapshot())
 
 
 def lookup(cache: Dict[tuple, CallRecipe], key: Optional[tuple]) -> Optional[CallRecipe]:

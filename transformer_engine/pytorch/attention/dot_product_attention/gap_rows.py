@@ -102,7 +102,8 @@ def zero_gap_rows(x: torch.Tensor, cu_seqlens: torch.Tensor, offsets: torch.Tens
 def zero_gap_rows_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       offsets_q: torch.Tensor, cu_seqlens_kv: torch.Tensor, offsets_kv: torch.Tensor, max_rows: int) -> None:
     """``zero_gap_rows`` on q (query side) and on k and v (key/value side), in one launch on CUDA.
-    ``k`` may be ``v``."""
+    Called as this plain function (eager mode), ``k`` may be ``v``; the registered op, which
+    torch.compile traces, must get three distinct tensors."""
     if q.device.type == "cuda":
         launch_triton(q, cu_seqlens_q, offsets_q, max_rows, (k,) if k is v else (k, v), cu_seqlens_kv, offsets_kv)
         return

@@ -65,7 +65,7 @@ class BackendSelection:
 def get_attention_backend(params: AttentionParams, libraries: Optional[InstalledLibraries] = None) -> BackendSelection:
     """Choose a backend for ``params``. ``libraries`` defaults to what is installed; tests pass a
     fake to see what a GPU machine would choose."""
-    env = _env_snapshot()
+    env = env_snapshot()
     selection = _select(params, libraries or installed_libraries(), env)
     if env[-2] is not None and os.getenv("NVTE_DEBUG", "0") == "1" and int(os.getenv("NVTE_DEBUG_LEVEL", "0")) >= 2:
         logger.warning("attention backend for %s\n%s", params, selection.report())
@@ -76,7 +76,7 @@ _SNAPSHOT_KEYS = _ENV_KEYS + ("NVTE_DEBUG", "NVTE_DEBUG_LEVEL")
 _SNAPSHOT_BYTES = tuple(os.fsencode(k) for k in _SNAPSHOT_KEYS)
 
 
-def _env_snapshot() -> tuple:
+def env_snapshot() -> tuple:
     """The selection switches (and the debug switches, last) as one hashable tuple."""
     return raw_values(_SNAPSHOT_KEYS, _SNAPSHOT_BYTES)
 
