@@ -264,3 +264,20 @@ def test_thd_selection_reads_neither_batch_size_nor_max_seqlen():
         for b, sq, skv in ((1, 1, 1), (3, 4096, 128), (1000, 128, 65536)):
             varied = dataclasses.replace(params, batch_size=b, max_seqlen_q=sq, max_seqlen_kv=skv)
             assert get_attention_backend(varied, ALL_LIBS) == want, varied
+
+
+def test_eager_calls_between_compiled_ones_cause_no_recompile():
+    """torch.compile traces the full path; eager calls that fill the recipe cache in between
+    must not make the compiled step recompile (the fast path's dict is mutable module state)."""
+    torch._dynamo.reset()
+    p, args, kw = _base_call()
+    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd", attn_mask_type="padding_causal")
+    args = tuple(t.detach().nan_to_num() for t in args)
+    compiled = torch.compile(lambda *a: dpa(*a, **kw), fullgraph=True)
+    first = compiled(*args)
+    dpa(*args, **kw)  # eager: fills the cache
+    dpa(*args, **kw, window_size=(3, 0))  # and adds a second entry
+    assert len(dpa._recipes) == 2
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        again = compiled(*args)
+    assert torch.equal(first, again)

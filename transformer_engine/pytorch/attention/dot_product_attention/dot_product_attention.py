@@ -130,7 +130,9 @@ class DotProductAttention(torch.nn.Module):
                 and thd_sequence_is_causal is None and core_attention_bias_type == "no_bias"):
             key = call_key(self, qkv_format, layers, qkv_interleave_dim, cus, max_seqlens, attn_mask_type, window_size,
                            pad_between_seqs)
-        recipe = lookup(self._recipes, key)
+        # Not read while torch.compile traces (key is None there), so the traced graph carries
+        # nothing of this dict, which eager calls keep changing.
+        recipe = lookup(self._recipes, key) if key is not None else None
         if recipe is not None:
             inp = recipe.inputs(self, layers, qkv_interleave_dim, cus, max_seqlens)
             fmt, backend = recipe.qkv_format, recipe.selection.backend
