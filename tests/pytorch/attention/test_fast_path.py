@@ -281,3 +281,23 @@ def test_eager_calls_between_compiled_ones_cause_no_recompile():
     with torch._dynamo.config.patch(error_on_recompile=True):
         again = compiled(*args)
     assert torch.equal(first, again)
+
+
+def test_multihead_attention_repeats_take_the_fast_path(full_paths):
+    """MultiheadAttention hands its fused projection through as qkv_layer: a second packed batch
+    of the same token count (other lengths) reuses the first call's decisions and matches a
+    fresh module."""
+    from transformer_engine.pytorch import MultiheadAttention
+
+    torch.manual_seed(4)
+    mha = MultiheadAttention(H * D, H, attention_dropout=0.0, attn_mask_type="padding_causal", fuse_qkv_params=True,
+                             params_dtype=torch.float64, device="cpu", qkv_format="thd")
+    x = torch.randn(10, H * D, dtype=torch.float64)
+    mha(x, cu_seqlens_q=(cu := torch.tensor([0, 3, 8, 10], dtype=torch.int32)), cu_seqlens_kv=cu, max_seqlen_q=5,
+        max_seqlen_kv=5)
+    cu2 = torch.tensor([0, 6, 10], dtype=torch.int32)
+    kw = dict(cu_seqlens_q=cu2, cu_seqlens_kv=cu2, max_seqlen_q=6, max_seqlen_kv=6)
+    got = mha(x, **kw)
+    assert len(full_paths) == 1
+    mha.core_attention._recipes.clear()
+    assert torch.equal(got, mha(x, **kw)) and len(full_paths) == 2
