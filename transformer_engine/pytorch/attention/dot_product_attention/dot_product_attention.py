@@ -134,7 +134,7 @@ class DotProductAttention(torch.nn.Module):
         # nothing of this dict, which eager calls keep changing.
         recipe = lookup(self._recipes, key) if key is not None else None
         if recipe is not None:
-            inp = recipe.inputs(self, layers, qkv_interleave_dim, cus, max_seqlens)
+            inp = recipe.inputs(self, layers, cus, max_seqlens)
             fmt, backend = recipe.qkv_format, recipe.selection.backend
             object.__setattr__(self, "last_selection", recipe.selection)
         else:

@@ -54,12 +54,12 @@ class CallRecipe:
     kv_padded: bool
     selection: Any  # utils.BackendSelection
 
-    def inputs(self, module, layers: Sequence[Optional[torch.Tensor]], interleave_dim: int, cus, max_seqlens) -> AttentionInputs:
+    def inputs(self, module, layers: Sequence[Optional[torch.Tensor]], cus, max_seqlens) -> AttentionInputs:
         query, key, value, qkv_layer, kv_layer = layers
         if self.packing == "qkv":
-            query, key, value = split_packed(qkv_layer, interleave_dim)
+            query, key, value = split_packed(qkv_layer, self.interleave_dim)
         elif self.packing == "kv":
-            key, value = split_packed(kv_layer, interleave_dim)
+            key, value = split_packed(kv_layer, self.interleave_dim)
         inp = new_inputs(query, key, value, self.qkv_format, self.mask, module.softmax_scale, module.attention_dropout)
         if self.qkv_format == "thd":
             cu_q, cu_kv, cu_q_pad, cu_kv_pad = cus
