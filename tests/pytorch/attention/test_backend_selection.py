@@ -118,6 +118,13 @@ def test_debug_logging(monkeypatch, caplog):
     monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
     get_attention_backend(replace(THD, num_heads=8, num_gqa_groups=8), ALL)
     assert "selected: FlashAttention v4" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("NVTE_DEBUG_LEVEL", "1")
+    get_attention_backend(replace(THD, num_heads=8, num_gqa_groups=8), ALL)
+    monkeypatch.delenv("NVTE_DEBUG")
+    monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
+    get_attention_backend(replace(THD, num_heads=8, num_gqa_groups=8), ALL)
+    assert "selected:" not in caplog.text, "logged below level 2 or without NVTE_DEBUG=1"
 
 
 def test_explain_backends_maps_every_backend_to_its_reasons():

@@ -507,7 +507,7 @@ _EAGER = {"fa4_fwd": fa4_fwd, "fa4_bwd": fa4_bwd, "cudnn_fwd": cudnn_fwd, "cudnn
 class KernelOps:
     """``ops.<name>(...)``: the registered op while torch.compile traces, the plain function in
     eager mode. Both run the same body; the dispatcher's Python layers around a custom op cost
-    about 25 us per call (measured on a CPU core), and a training step makes up to nine calls."""
+    about 25 us per call (measured on a CPU core), and a training step makes several calls."""
 
     def __getattr__(self, name: str):
         if torch.compiler.is_compiling():

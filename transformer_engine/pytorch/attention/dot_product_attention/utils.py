@@ -67,7 +67,8 @@ def get_attention_backend(params: AttentionParams, libraries: Optional[Installed
     fake to see what a GPU machine would choose."""
     env = env_snapshot()
     selection = _select(params, libraries or installed_libraries(), env)
-    if env[-2] is not None and os.getenv("NVTE_DEBUG", "0") == "1" and int(os.getenv("NVTE_DEBUG_LEVEL", "0")) >= 2:
+    debug, level = (os.fsdecode(x) if x is not None else "0" for x in env[-2:])  # read by the snapshot already
+    if debug == "1" and int(level) >= 2:
         logger.warning("attention backend for %s\n%s", params, selection.report())
     return selection
 
