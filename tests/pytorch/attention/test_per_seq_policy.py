@@ -98,7 +98,7 @@ ERRORS = [
     (dict(attn_mask_type_per_seq={"padding_causal": _ids(0, 1)}), ValueError, "place each of the 6 sequences in exactly one entry; its entries hold 2"),
     (dict(attn_mask_type_per_seq={"diagonal": _ids(*range(6))}), ValueError, "attn_mask_type_per_seq key must be one of"),
     (dict(attn_mask_type_per_seq={"padding": torch.arange(6.0)}), TypeError, r"attn_mask_type_per_seq\['padding'\] must be a 1-D integer tensor"),
-    (dict(attn_mask_type_per_seq={("padding_causal", (2, 2)): _ids(*range(6))}), ValueError, "reaches right of the diagonal"),
+    (dict(attn_mask_type_per_seq={("padding_causal", (-1, 2)): _ids(*range(6))}), ValueError, r"window of attn_mask_type_per_seq key 'padding_causal'=\(-1, 2\) does not fit"),
     (dict(attn_mask_type_per_seq={"arbitrary": _ids(*range(6))}), ValueError, "cannot use 'arbitrary'"),
     (dict(attn_mask_type_per_seq=[("padding", _ids(*range(6)))]), TypeError, "attn_mask_type_per_seq must be a non-empty dict"),
     (dict(thd_sequence_is_causal=torch.tensor([1, 0, 1, 0, 1, 0])), TypeError, "thd_sequence_is_causal must be a 1-D bool tensor"),
@@ -127,7 +127,7 @@ def test_debug_switch_catches_duplicate_ids(monkeypatch):
     monkeypatch.setenv("NVTE_ATTN_VALIDATE", "1")
     p = make_thd(LENGTHS, h=H, d=D)
     dpa = DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding")
-    with pytest.raises(ValueError, match=r"leaves sequences \[5\] without a policy"):
+    with pytest.raises(ValueError, match=r"must name each sequence once; ids \[4\] are repeated and \[5\] missing"):
         dpa(p.q, p.k, p.v, **p.kwargs(False, 7, 7, shared=True), attn_mask_type_per_seq={"padding": _ids(0, 1, 2), "padding_causal": _ids(3, 4, 4)})
 
 

@@ -21,7 +21,7 @@ CONSTRUCTOR_CASES = [
     (dict(attn_mask_type="diagonal"), ValueError, "attn_mask_type"),
     (dict(num_gqa_groups=3), ValueError, "num_gqa_groups"),
     (dict(kv_channels=0), ValueError, "kv_channels"),
-    (dict(attn_mask_type="causal", window_size=(4, 4)), ValueError, "window_size"),
+    (dict(attn_mask_type="causal", window_size=(-1, 4)), ValueError, "window_size"),
     (dict(window_size=(2,)), TypeError, "window_size"),
     (dict(tp_size=2), NotImplementedError, "tp_size"),
     (dict(sequence_parallel=True), NotImplementedError, "sequence_parallel"),
@@ -105,14 +105,14 @@ def test_debug_validation_catches_overrun(monkeypatch):
     p = make_thd([3, 2])
     monkeypatch.setenv("NVTE_ATTN_VALIDATE", "1")
     bad = torch.tensor([0, 3, 9], dtype=torch.int32)
-    with pytest.raises(ValueError, match="cu_seqlens_q ends at token 9 but the tensor has 5 tokens"):
+    with pytest.raises(ValueError, match="cu_seqlens_q must end within the tensor's 5 rows; its last entry is 9"):
         DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding")(
             p.q, p.k, p.v, cu_seqlens_q=bad, cu_seqlens_kv=bad, max_seqlen_q=6, max_seqlen_kv=6)
 
 
 def test_bias_shape():
     q, k, v = dense()
-    with pytest.raises(ValueError, match=r"core_attention_bias must have shape \[1\|2, 1\|4, 5, 5\]; got \(2, 4, 5, 4\)"):
+    with pytest.raises(ValueError, match=r"core_attention_bias must have shape \[1\|2, 1\|4, 5, 5\] or \[1, 1, 1, 5\]; got \(2, 4, 5, 4\)"):
         DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="no_mask")(
             q, k, v, core_attention_bias_type="post_scale_bias", core_attention_bias=torch.randn(2, 4, 5, 4))
 
@@ -124,9 +124,12 @@ def test_bias_type_unknown():
 
 
 def test_window_contradicts_mask_in_forward():
+    """As TE's window check: the right bound is cut to 0 with a warning, not an error."""
     q, k, v = dense()
-    with pytest.raises(ValueError, match=r"window_size=\(2, 2\) reaches right of the diagonal"):
-        DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="no_mask")(q, k, v, attn_mask_type="causal", window_size=(2, 2))
+    dpa = DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="no_mask")
+    with pytest.warns(UserWarning, match=r"window_size=\(2, 2\) reaches right of the diagonal.*using \(2, 0\)"):
+        out = dpa(q, k, v, attn_mask_type="causal", window_size=(2, 2))
+    torch.testing.assert_close(out, dpa(q, k, v, attn_mask_type="causal", window_size=(2, 0)), rtol=0, atol=0)
 
 
 def test_padding_without_mask_or_lengths():

@@ -239,13 +239,24 @@ def _run_kernel(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan], traini
     guard = _gap_guard(plan, kernel)
     if guard == "inplace":
         _zero_spill_rows_in_place(inp)
-    bias = inp.bias.to(inp.q.dtype).contiguous() if inp.bias_type == "post_scale_bias" else None
+    bias = _kernel_bias(inp)
     # Without gradients FA4 may skip its log-sum-exp (``needs_input_grad`` ignores no_grad).
     need_stats = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (inp.q, inp.k, inp.v, bias))
     call = KernelCall(kernel, inp, plan, guard, need_stats, inp.bias_type == "alibi", inp.dropout_p if training else 0.0)
     if not need_stats:  # nothing to differentiate: skip autograd.Function.apply (~10 us of host time)
         return call.forward(inp.q, inp.k, inp.v, bias)[3]
     return _KernelAttention.apply(inp.q, inp.k, inp.v, bias, call)
+
+
+def _kernel_bias(inp: AttentionInputs) -> Optional[torch.Tensor]:
+    """The post-scale bias as the kernels take it: the inputs' dtype, contiguous, and a
+    [1, 1, 1, SKV] row expanded over the queries (autograd sums dBias back into the row)."""
+    if inp.bias_type != "post_scale_bias":
+        return None
+    bias = inp.bias.to(inp.q.dtype)
+    if bias.shape[2] != inp.q.shape[1]:
+        bias = bias.expand(1, 1, inp.q.shape[1], bias.shape[3])
+    return bias.contiguous()
 
 
 def _calls(inp: AttentionInputs, plan: Optional[VarlenPlan]) -> List[VarlenCall]:
@@ -309,9 +320,14 @@ class FlashAttentionV4(FlashAttention):
     @classmethod
     def _check_special(cls, params, libs):
         cc = params.compute_capability
-        if cc is not None and cc[0] == 10 and max(params.head_dim_qk, params.head_dim_v) > 128:
-            if (params.head_dim_qk, params.head_dim_v) != (256, 256):
-                return [Reason("head_dim_qk", str(params.head_dim_qk), "<= 128 or (256, 256) on sm10x")]
+        dims = (params.head_dim_qk, params.head_dim_v)
+        if cc is not None and cc[0] == 10 and max(dims) > 128 and dims != (256, 256):
+            return [Reason("head_dim_qk", str(params.head_dim_qk), "<= 128 or (256, 256) on sm10x")]
+        if cc is not None and cc[0] == 9 and params.requires_grad and dims[0] != dims[1]:
+            # Probed on the H200 (benchmarks/results/2026-12-03-h200/probe_fa4.log): the forward
+            # runs, the backward refuses (GQA) or exceeds shared memory at launch.
+            return [Reason("head_dim_v", f"{dims[1]} != head_dim_qk={dims[0]} with gradients",
+                           "head_dim_v == head_dim_qk for the backward on sm9x (the forward alone runs either)")]
         return []
 
     @staticmethod
@@ -491,6 +507,10 @@ class FusedAttention(BackendSupport):
         out = []
         if cc is not None and cc[0] == 8 and max(params.head_dim_qk, params.head_dim_v) > 128:
             out.append(Reason("head_dim_qk", str(params.head_dim_qk), "<= 128 on sm8x"))
+        if params.qkv_format == "thd" and params.head_dim_qk == 256 and params.head_dim_v != 256:
+            # Probed on the H200 (benchmarks/results/2026-12-03-h200/probe_cudnn.log): non-finite
+            # results for THD at (256, 128); dense layouts and every other pair probed are fine.
+            out.append(Reason("head_dim_v", f"{params.head_dim_v} with head_dim_qk=256 in thd", "256 with head_dim_qk=256 in thd"))
         return out + _bias_thd_reasons(params) + _cudnn_feature_reasons(params)
 
     @staticmethod

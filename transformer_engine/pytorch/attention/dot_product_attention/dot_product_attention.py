@@ -18,9 +18,10 @@ from .masks import AttnMaskType, MaskSpec, normalize_window
 from .packed_qkv import resolve_qkv
 from .params import AttentionInputs, AttentionParams, params_key
 from .per_seq_policy import SeqPolicies, from_is_causal, from_mask_type_dict
-from .thd import check_cu_seqlens, infer_pad_between_seqs, make_packed, validation_enabled
+from .thd import check_cu_seqlens, check_unpadded_offsets, checked_or_safe, infer_pad_between_seqs, make_packed, value_checks_on
 from .utils import BACKENDS_BY_LABEL, chosen_backend_label, require_backend
-from .validation import check_bias, check_format, check_kv_channels, check_mask_and_format, check_qkv, dense_padding
+from .validation import (check_bias, check_bottom_right_diagonal, check_format, check_kv_channels, check_mask_and_format, check_num_splits,
+                         check_qkv, check_softmax_scale, dense_padding)
 
 
 class DotProductAttention(torch.nn.Module):
@@ -82,7 +83,7 @@ class DotProductAttention(torch.nn.Module):
         self.window_size = window_size
         self.attention_type = attention_type
         self.layer_number = layer_number
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dims[0])
+        self.softmax_scale = check_softmax_scale(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(self.head_dims[0])
         self._recipes: dict = {}  # host decisions of earlier calls, by their host facts (fast_path.py)
 
     def forward(
@@ -108,6 +109,8 @@ class DotProductAttention(torch.nn.Module):
         inference_params: Any = None,
         pad_between_seqs: Optional[bool] = None,
         fp8_output: bool = False,
+        num_splits: Optional[int] = None,
+        bottom_right_diagonal: Optional[bool] = None,
         *,
         qkv_layer: Optional[torch.Tensor] = None,
         kv_layer: Optional[torch.Tensor] = None,
@@ -122,6 +125,7 @@ class DotProductAttention(torch.nn.Module):
         """
         if inference_params is not None or fp8_output:
             raise NotImplementedError("inference_params (KV caching) and fp8_output are not implemented; pass None / False")
+        check_num_splits(num_splits)
         layers = (query_layer, key_layer, value_layer, qkv_layer, kv_layer)
         cus = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
         max_seqlens = (max_seqlen_q, max_seqlen_kv)
@@ -129,7 +133,7 @@ class DotProductAttention(torch.nn.Module):
         if (attention_mask is None and core_attention_bias is None and alibi_slopes is None and attn_mask_type_per_seq is None
                 and thd_sequence_is_causal is None and core_attention_bias_type == "no_bias"):
             key = call_key(self, qkv_format, layers, qkv_interleave_dim, cus, max_seqlens, attn_mask_type, window_size,
-                           pad_between_seqs)
+                           pad_between_seqs, bottom_right_diagonal)
         # Not read while torch.compile traces (key is None there), so the traced graph carries
         # nothing of this dict, which eager calls keep changing.
         recipe = lookup(self._recipes, key) if key is not None else None
@@ -141,7 +145,7 @@ class DotProductAttention(torch.nn.Module):
             fmt = check_format(qkv_format if qkv_format is not None else self.qkv_format)
             qkv = resolve_qkv(*layers, qkv_interleave_dim, fmt)
             inp = self._inputs(qkv, fmt, attention_mask, cus, max_seqlens, attn_mask_type, window_size, pad_between_seqs,
-                               attn_mask_type_per_seq, thd_sequence_is_causal)
+                               attn_mask_type_per_seq, thd_sequence_is_causal, bottom_right_diagonal, core_attention_bias_type)
             self._fill_bias(inp, core_attention_bias_type, core_attention_bias, alibi_slopes)
             backend = self._select(self._params(inp, fmt, qkv.layout))
             if key is not None:
@@ -154,13 +158,14 @@ class DotProductAttention(torch.nn.Module):
         return _flatten(out, fmt)
 
     def _inputs(self, qkv, fmt, attention_mask, cus, max_seqlens, attn_mask_type, window_size, pad_between_seqs, per_seq,
-                is_causal) -> AttentionInputs:
+                is_causal, bottom_right_diagonal, bias_type) -> AttentionInputs:
         """Checks the call and builds its inputs (the full path; :mod:`.fast_path` reuses its
         decisions for calls with the same host facts)."""
         check_qkv(qkv.q, qkv.k, qkv.v, fmt, self.num_attention_heads, self.num_gqa_groups, self.head_dims)
-        mask = AttnMaskType.parse(attn_mask_type if attn_mask_type is not None else self.attn_mask_type)
-        mask = check_mask_and_format(mask, fmt, attention_mask, cus[0] is not None)
         raw_window = window_size if window_size is not None else self.window_size
+        mask = AttnMaskType.parse(attn_mask_type if attn_mask_type is not None else self.attn_mask_type)
+        mask = check_bottom_right_diagonal(bottom_right_diagonal, mask, raw_window, bias_type == "alibi")
+        mask = check_mask_and_format(mask, fmt, attention_mask, cus[0] is not None)
         window = normalize_window(raw_window, mask)
         inp = new_inputs(qkv.q, qkv.k, qkv.v, fmt, MaskSpec(mask, window), self.softmax_scale, self.attention_dropout)
         if fmt == "thd":
@@ -192,19 +197,23 @@ class DotProductAttention(torch.nn.Module):
         causal)."""
         if cu_q is None or cu_kv is None:
             raise ValueError("qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv (int32, [batch_size+1]); got None")
-        check_cu_seqlens("cu_seqlens_q", cu_q)
+        device = inp.q.device
+        check_cu_seqlens("cu_seqlens_q", cu_q, device=device)
         b = cu_q.numel() - 1
-        check_cu_seqlens("cu_seqlens_kv", cu_kv, b)
+        check_cu_seqlens("cu_seqlens_kv", cu_kv, b, device)
         for name, t in (("cu_seqlens_q_padded", cu_q_pad), ("cu_seqlens_kv_padded", cu_kv_pad)):
             if t is not None:
-                check_cu_seqlens(name, t, b)
+                check_cu_seqlens(name, t, b, device)
         if pad_between is None:
             pad_between = infer_pad_between_seqs(cu_q, cu_kv, cu_q_pad, cu_kv_pad)
-        inp.packed_q = make_packed("cu_seqlens_q", cu_q, cu_q_pad, pad_between, max_q, inp.q.shape[0])
-        inp.packed_kv = make_packed("cu_seqlens_kv", cu_kv, cu_kv_pad, pad_between, max_kv, inp.k.shape[0])
-        if validation_enabled():
-            inp.packed_q.validate_values("cu_seqlens_q")
-            inp.packed_kv.validate_values("cu_seqlens_kv")
+        elif not isinstance(pad_between, bool):
+            raise TypeError(f"pad_between_seqs must be None, True or False; got {pad_between!r}")
+        elif not pad_between and value_checks_on(cu_q.device):
+            check_unpadded_offsets("cu_seqlens_q", cu_q, cu_q_pad)
+            check_unpadded_offsets("cu_seqlens_kv", cu_kv, cu_kv_pad)
+        packed_q = make_packed("cu_seqlens_q", cu_q, cu_q_pad, pad_between, max_q, inp.q.shape[0])
+        packed_kv = make_packed("cu_seqlens_kv", cu_kv, cu_kv_pad, pad_between, max_kv, inp.k.shape[0])
+        inp.packed_q, inp.packed_kv = checked_or_safe(packed_q, packed_kv)
         inp.policies = _parse_policies(per_seq, is_causal, b, inp.q.device, window)
         if inp.policies is not None and inp.policies.uniform_spec() is not None:
             # A uniform policy is exactly the scalar path: one call, same results.

@@ -27,7 +27,7 @@ import torch
 from .masks import MaskSpec
 from .packed_qkv import ResolvedQKV, split_packed
 from .params import AttentionInputs
-from .thd import PackedSeqs, validation_enabled
+from .thd import PackedSeqs, checked_or_safe, validation_enabled
 from .utils import env_snapshot, stride_rules_out_packing
 
 # A module meets few distinct signatures (one per layer shape and mode); a full cache is
@@ -63,8 +63,9 @@ class CallRecipe:
         inp = new_inputs(query, key, value, self.qkv_format, self.mask, module.softmax_scale, module.attention_dropout)
         if self.qkv_format == "thd":
             cu_q, cu_kv, cu_q_pad, cu_kv_pad = cus
-            inp.packed_q = PackedSeqs(cu_q, cu_q_pad if self.q_padded else cu_q, max_seqlens[0], inp.q.shape[0])
-            inp.packed_kv = PackedSeqs(cu_kv, cu_kv_pad if self.kv_padded else cu_kv, max_seqlens[1], inp.k.shape[0])
+            inp.packed_q, inp.packed_kv = checked_or_safe(
+                PackedSeqs(cu_q, cu_q_pad if self.q_padded else cu_q, max_seqlens[0], inp.q.shape[0]),
+                PackedSeqs(cu_kv, cu_kv_pad if self.kv_padded else cu_kv, max_seqlens[1], inp.k.shape[0]))
         inp.extras["bias_shape"] = None
         return inp
 
@@ -99,6 +100,8 @@ def _thd_facts(cus, max_seqlens, pad_between_seqs) -> Optional[tuple]:
     """The THD part of the key, or None where the full path must run (it also raises there)."""
     if type(pad_between_seqs) not in (type(None), bool):
         return None
+    if pad_between_seqs is False and any(cus[i] is not None and cus[i] is not cus[i - 2] for i in (2, 3)):
+        return None  # the full path checks that such padded offsets equal cu_seqlens
     for m in max_seqlens:
         if type(m) is not int or m < 0:
             return None
@@ -121,13 +124,15 @@ def _thd_facts(cus, max_seqlens, pad_between_seqs) -> Optional[tuple]:
 
 
 def call_key(module, qkv_format, layers, interleave_dim, cus, max_seqlens, attn_mask_type, window_size,
-             pad_between_seqs) -> Optional[tuple]:
+             pad_between_seqs, bottom_right_diagonal=None) -> Optional[tuple]:
     """Every host fact the full path's decisions read, or None if this call must take it.
 
     ``layers`` = (query, key, value, qkv_layer, kv_layer); ``cus`` = (cu_seqlens_q,
     cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded); ``max_seqlens`` = (q, kv)."""
     if torch.compiler.is_compiling() or validation_enabled():
         return None
+    if not _exact_window(window_size):
+        return None  # (2.0, 0) equals (2, 0) as a key: the full path must see (and reject) it
     facts = []
     for t in layers:
         if t is None:
@@ -147,8 +152,13 @@ def call_key(module, qkv_format, layers, interleave_dim, cus, max_seqlens, attn_
         thd = None
     settings = (module.training, module.attention_dropout, module.qkv_format, module.attn_mask_type, module.window_size,
                 module.num_attention_heads, module.num_gqa_groups, module.head_dims)
-    return (fmt, tuple(facts), interleave_dim, thd, attn_mask_type, window_size, settings, torch.is_grad_enabled(),
-            env_snapshot())
+    return (fmt, tuple(facts), interleave_dim, thd, attn_mask_type, window_size, bottom_right_diagonal, settings,
+            torch.is_grad_enabled(), env_snapshot())
+
+
+def _exact_window(window) -> bool:
+    """None, or a tuple of exactly two Python ints (what the full path accepted before)."""
+    return window is None or (type(window) is tuple and len(window) == 2 and all(type(w) is int for w in window))
 
 
 def lookup(cache: Dict[tuple, CallRecipe], key: Optional[tuple]) -> Optional[CallRecipe]:

@@ -17,6 +17,7 @@ sequences it runs with length 0, so calls for several policies do not share buff
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -144,7 +145,10 @@ def _(dout, q, k, v, out, lse, dq, dk, dv, *args) -> None:
 
 _UID = dict(q=1, k=2, v=3, o=4, stats=5, do=6, dq=7, dk=8, dv=9, len_q=10, len_kv=11, rq=12, rk=13, rv=14, ro=15, rdq=16, rdk=17, rdv=18, rdo=19,
             bias=20, dbias=21, seed=22, offset=23)
-_graphs: Dict[tuple, tuple] = {}
+# Built graphs by configuration, least recently used first; bounded, since each holds cuDNN
+# plans and a training run with many shapes (or a per-batch max_seqlen) keeps making new ones.
+_graphs: "OrderedDict[tuple, tuple]" = OrderedDict()
+MAX_GRAPHS = 256
 _graph_lock = threading.Lock()
 _handles = threading.local()
 
@@ -217,6 +221,15 @@ def _round64(n: int) -> int:
     return (n + 63) // 64 * 64
 
 
+def _ragged_rows(t: torch.Tensor) -> int:
+    """Rows of a dense [T, H, D] tensor that span ``t``'s ragged (element) offsets. cuDNN's
+    backward indexes its dQ accumulator with q's ragged offsets but sizes it in rows of H*D, so
+    a packed q (t3hd/th3d: a row stride of 3*H*D) needs 3x the rows: sized by T alone it wrote
+    out of bounds (an illegal instruction on the H200, probe_cudnn.log)."""
+    per_row = t.shape[1] * t.shape[2]
+    return -(-t.shape[0] * t.stride(0) // per_row)
+
+
 def _finish(g):
     import cudnn
 
@@ -229,12 +242,14 @@ def _finish(g):
 
 
 def _cached(key, build):
-    hit = _graphs.get(key)
-    if hit is None:
-        with _graph_lock:
-            hit = _graphs.get(key)
-            if hit is None:
-                hit = _graphs[key] = build()
+    with _graph_lock:
+        hit = _graphs.get(key)
+        if hit is not None:
+            _graphs.move_to_end(key)
+            return hit
+        hit = _graphs[key] = build()
+        while len(_graphs) > MAX_GRAPHS:
+            _graphs.popitem(last=False)
     return hit
 
 
@@ -410,7 +425,7 @@ def _build_bwd(handle, q, k, v, o, do, dq, dk, dv, dbias, b, sq, skv, scale, ban
         for name, rag in (("q", "rq"), ("k", "rk"), ("v", "rv"), ("o", "ro"), ("do", "rdo")):
             t[name].set_ragged_offset(_ragged(g, rag, b))
     # Sizes the ragged dQ accumulator; rounded up as cuDNN's own THD path does.
-    extra = dict(max_total_seq_len_q=_round64(q.shape[0]), max_total_seq_len_kv=_round64(k.shape[0])) if varlen else {}
+    extra = dict(max_total_seq_len_q=_round64(_ragged_rows(q)), max_total_seq_len_kv=_round64(_ragged_rows(k))) if varlen else {}
     extra.update(_feature_kwargs(g, *features))
     if dbias is not None:
         extra["dBias"] = g.tensor(name="dbias", dim=list(dbias.shape), stride=list(dbias.stride()), data_type=_dtype(dbias.dtype),

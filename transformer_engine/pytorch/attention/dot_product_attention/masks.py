@@ -22,6 +22,7 @@ For sq=3, skv=5::
 from __future__ import annotations
 
 import enum
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
@@ -76,10 +77,11 @@ Window = Tuple[int, int]
 
 
 def normalize_window(window: Optional[Tuple[int, int]], mask: AttnMaskType, arg: str = "window_size") -> Window:
-    """Check a (left, right) window against the mask and return its canonical form.
-
-    None and (-1, -1) mean no window. A causal mask fixes the right bound at 0: a window that
-    reaches right of the diagonal contradicts it and is rejected rather than silently cut.
+    """Check a (left, right) window against the mask and return its canonical form, as TE's
+    window check does: None and (-1, -1) mean no window; a causal mask fixes the right bound at
+    0, so a window reaching right of the diagonal, (left >= 0, right != 0), becomes (left, 0)
+    with a warning; on a non-causal mask (-1, 0) becomes (-1, -1) with a warning (the mask type,
+    not the window, says whether attention is causal). Other negative bounds are errors.
     """
     if window is None:
         window = (-1, -1)
@@ -95,10 +97,17 @@ def normalize_window(window: Optional[Tuple[int, int]], mask: AttnMaskType, arg:
     if mask.is_causal:
         if (left, right) == (-1, -1) or right == 0:
             return (left, 0)
+        if left >= 0:
+            warnings.warn(f"{arg}={tuple(window)} reaches right of the diagonal, which attn_mask_type={mask.value!r} "
+                          f"forbids; using ({left}, 0)", stacklevel=3)
+            return (left, 0)
         raise ValueError(
-            f"{arg}={tuple(window)} reaches right of the diagonal, which attn_mask_type={mask.value!r} "
-            f"forbids; use (left, 0) or (-1, -1) with a causal mask"
+            f"{arg}={tuple(window)} does not fit attn_mask_type={mask.value!r}; use (-1, 0), (left >= 0, 0) or (-1, -1)"
         )
+    if (left, right) == (-1, 0):
+        warnings.warn(f"{arg}=(-1, 0) with attn_mask_type={mask.value!r} means no window (use a causal mask type for "
+                      f"causal attention); using (-1, -1)", stacklevel=3)
+        return (-1, -1)
     return (left, right)
 
 

@@ -19,7 +19,7 @@ from typing import Mapping, Optional, Tuple, Union
 import torch
 
 from .masks import AttnMaskType, MaskSpec, normalize_window
-from .thd import validation_enabled
+from .thd import value_checks_on
 
 PolicyKey = Union[str, AttnMaskType, Tuple[Union[str, AttnMaskType], Tuple[int, int]]]
 
@@ -48,8 +48,7 @@ class SeqPolicies:
         return self.policy_of_seq == p
 
 
-def _parse_key(key: PolicyKey, window_size) -> MaskSpec:
-    arg = "attn_mask_type_per_seq"
+def _parse_key(key: PolicyKey, window_size, arg: str = "attn_mask_type_per_seq") -> MaskSpec:
     if isinstance(key, tuple):
         if len(key) != 2:
             raise ValueError(f"{arg} keys must be a mask type or (mask_type, (left, right)); got {key!r}")
@@ -57,7 +56,7 @@ def _parse_key(key: PolicyKey, window_size) -> MaskSpec:
         window = normalize_window(key[1], mask, f"window of {arg} key {key[0]!r}")
     else:
         mask = AttnMaskType.parse(key, f"{arg} key")
-        window = normalize_window(window_size, mask, f"window_size (applied to {arg} key {mask.value!r})")
+        window = normalize_window(window_size, mask, f"window_size (applied to the {mask.value!r} policy of {arg})")
     if mask is AttnMaskType.ARBITRARY:
         raise ValueError(f"{arg} cannot use 'arbitrary': it needs a dense attention_mask, which THD has not")
     return MaskSpec(mask.with_padding(), window)
@@ -86,11 +85,15 @@ def from_mask_type_dict(
         raise ValueError(
             f"{arg} must place each of the {batch_size} sequences in exactly one entry; its entries hold {total} ids"
         )
-    policy_of_seq = torch.full((batch_size,), -1, dtype=torch.int64, device=device)
+    if value_checks_on(device):
+        _validate_ids(id_tensors, batch_size)
+    # One spare slot past the end takes ids outside [0, B): an out-of-range index would be a
+    # device-side assert on CUDA, a negative one would wrap around to another sequence.
+    policy_of_seq = torch.full((batch_size + 1,), -1, dtype=torch.int64, device=device)
     for p, ids in enumerate(id_tensors):
-        policy_of_seq.index_fill_(0, ids.long(), p)
-    if validation_enabled():
-        _validate_ids(id_tensors, policy_of_seq, batch_size)
+        ids = ids.long()
+        policy_of_seq.index_fill_(0, torch.where((ids >= 0) & (ids < batch_size), ids, batch_size), p)
+    policy_of_seq = policy_of_seq[:batch_size]
     return SeqPolicies(tuple(specs), policy_of_seq, tuple(ids.numel() > 0 for ids in id_tensors))
 
 
@@ -103,21 +106,27 @@ def from_is_causal(is_causal: torch.Tensor, batch_size: int, device: torch.devic
         raise ValueError(f"{arg} must hold one value per sequence ({batch_size}); got {is_causal.numel()}")
     if is_causal.device != device:
         raise ValueError(f"{arg} must be on the inputs' device {device}; got {is_causal.device}")
-    specs = tuple(
-        _parse_key(m, window_size) for m in (AttnMaskType.PADDING, AttnMaskType.PADDING_CAUSAL)
-    )
+    specs = tuple(_parse_key(m, window_size, arg) for m in (AttnMaskType.PADDING, AttnMaskType.PADDING_CAUSAL))
     live = batch_size > 0
     return SeqPolicies(specs, is_causal.long(), (live, live))
 
 
-def _validate_ids(id_tensors, policy_of_seq, batch_size) -> None:
-    """Debug-only (syncs): ids in range and each sequence claimed exactly once."""
+def _validate_ids(id_tensors, batch_size) -> None:
+    """Value checks (see :func:`value_checks_on`): ids in range, each sequence claimed once."""
+    seen: dict = {}
     for ids in id_tensors:
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= batch_size):
-            raise ValueError(f"attn_mask_type_per_seq ids must lie in [0, {batch_size}); got {ids.tolist()}")
-    if bool((policy_of_seq < 0).any()):
-        missing = (policy_of_seq < 0).nonzero().flatten().tolist()
-        raise ValueError(f"attn_mask_type_per_seq leaves sequences {missing} without a policy (an id is repeated)")
+        values = ids.tolist()
+        bad = [i for i in values if not 0 <= i < batch_size]
+        if bad:
+            raise ValueError(f"attn_mask_type_per_seq ids must be sequence indices in [0, {batch_size}); got {bad}")
+        for i in values:
+            seen[i] = seen.get(i, 0) + 1
+    repeated = sorted(i for i, n in seen.items() if n > 1)
+    if repeated:
+        missing = sorted(set(range(batch_size)) - set(seen))
+        raise ValueError(
+            f"attn_mask_type_per_seq must name each sequence once; ids {repeated} are repeated and {missing} missing"
+        )
 
 
 def _describe(x) -> str:

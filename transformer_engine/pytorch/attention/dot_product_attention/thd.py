@@ -13,6 +13,7 @@ Everything here reads only shapes on the host; values stay on the device.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,8 +22,8 @@ import torch
 from .environment import Switch
 
 
-def check_cu_seqlens(name: str, t: Optional[torch.Tensor], batch_size: Optional[int] = None) -> None:
-    """Host-only checks of a cu_seqlens tensor: type, rank, dtype and length."""
+def check_cu_seqlens(name: str, t: Optional[torch.Tensor], batch_size: Optional[int] = None, device=None) -> None:
+    """Host-only checks of a cu_seqlens tensor: type, rank, dtype, length and device."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a 1-D int32 tensor of length batch_size+1; got {type(t).__name__}")
     if t.dim() != 1 or t.dtype != torch.int32 or t.numel() < 1:
@@ -33,6 +34,8 @@ def check_cu_seqlens(name: str, t: Optional[torch.Tensor], batch_size: Optional[
         raise ValueError(
             f"{name} must have length batch_size+1 = {batch_size + 1} like the other cu_seqlens; got {t.numel()}"
         )
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on the inputs' device {device}; got {t.device}")
 
 
 def infer_pad_between_seqs(
@@ -58,6 +61,15 @@ def validation_enabled() -> bool:
     return _VALIDATE.get("0") == "1"
 
 
+def value_checks_on(device: torch.device) -> bool:
+    """Whether checks that read tensor values run for tensors on ``device``: always on the CPU
+    (reading a value costs nothing there), on CUDA only under NVTE_ATTN_VALIDATE=1 (each one is
+    a device-to-host sync). Never while torch.compile traces: a value read would break the graph."""
+    if torch.compiler.is_compiling():
+        return False
+    return device.type == "cpu" or validation_enabled()
+
+
 @dataclass(frozen=True)
 class PackedSeqs:
     """One side (queries or keys/values) of a packed batch.
@@ -70,6 +82,8 @@ class PackedSeqs:
     offsets: torch.Tensor
     max_seqlen: int
     total_tokens: int
+    # Set by made_safe(): lengths are also bounded by their slots and by max_seqlen.
+    bounded: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -81,8 +95,17 @@ class PackedSeqs:
 
     def seqlens(self) -> torch.Tensor:
         """Valid length of each sequence, [B] int32 (one op: diff costs less host time than two
-        slices and a subtraction)."""
+        slices and a subtraction). After :func:`made_safe`, also at most its slot and max_seqlen."""
+        if self.bounded:
+            return self._bounded_lengths
         return torch.diff(self.cu_seqlens)
+
+    @functools.cached_property
+    def _bounded_lengths(self) -> torch.Tensor:
+        lengths = torch.diff(self.cu_seqlens)
+        if self.has_gaps:
+            lengths = torch.minimum(lengths, torch.diff(self.offsets))
+        return lengths.clamp(max=self.max_seqlen)
 
     def token_seq_ids(self) -> torch.Tensor:
         """Sequence index of each token row, [T] int64; rows past the last slot get B."""
@@ -99,22 +122,92 @@ class PackedSeqs:
         length = self.seqlens().long()[seq]
         return (rows >= start) & (rows < start + length)
 
-    def validate_values(self, name: str) -> None:
-        """Debug-only checks (they sync): monotonic offsets, slots large enough, within T."""
-        lengths = self.seqlens()
-        if bool((lengths < 0).any()):
-            raise ValueError(f"{name} must be non-decreasing; got {self.cu_seqlens.tolist()}")
-        slots = self.offsets[1:] - self.offsets[:-1]
-        if bool((slots < lengths).any()):
+    def validate_values(self, name: str, padded_name: Optional[str] = None) -> None:
+        """Checks that read values (on CUDA each is a sync; see :func:`value_checks_on`):
+        non-decreasing offsets from 0 or more, slots that hold their sequence, the last one
+        within the tensor, and max_seqlen bounding every length."""
+        cu = self.cu_seqlens.tolist()
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+        _check_sorted(name, cu)
+        if self.has_gaps:
+            padded_name = padded_name or f"{name}_padded"
+            offsets = self.offsets.tolist()
+            _check_sorted(padded_name, offsets)
+            slots = [b - a for a, b in zip(offsets, offsets[1:])]
+            short = [i for i, (n, s) in enumerate(zip(lengths, slots)) if s < n]
+            if short:
+                raise ValueError(
+                    f"{padded_name} slots must each hold their sequence (slot >= length); sequences {short} have "
+                    f"slots {[slots[i] for i in short]} for lengths {[lengths[i] for i in short]}"
+                )
+            end, end_name = offsets[-1], padded_name
+        else:
+            end, end_name = cu[-1], name
+        if end > self.total_tokens:
+            raise ValueError(f"{end_name} must end within the tensor's {self.total_tokens} rows; its last entry is {end}")
+        if lengths and max(lengths) > self.max_seqlen:
             raise ValueError(
-                f"{name}_padded slots must hold each sequence: slots {slots.tolist()}, lengths {lengths.tolist()}"
+                f"max_seqlen for {name} must be at least the longest sequence ({max(lengths)}); got {self.max_seqlen}"
             )
-        if int(self.offsets[-1]) > self.total_tokens:
-            raise ValueError(
-                f"{name} ends at token {int(self.offsets[-1])} but the tensor has {self.total_tokens} tokens"
-            )
-        if lengths.numel() and int(lengths.max()) > self.max_seqlen:
-            raise ValueError(f"max_seqlen for {name} is {self.max_seqlen} but a sequence has {int(lengths.max())}")
+
+
+def made_safe(pq: PackedSeqs, pk: PackedSeqs) -> "tuple[PackedSeqs, PackedSeqs]":
+    """:meth:`PackedSeqs.made_safe` for both sides of a call, keeping shared tensors shared
+    (selection and the kernels tell self-attention and gaps apart by identity). A tensor used
+    by both sides is clamped to the smaller side."""
+    bound: dict = {}
+    for p in (pq, pk):
+        for t in (p.cu_seqlens, p.offsets):
+            bound[id(t)] = min(bound.get(id(t), p.total_tokens), p.total_tokens)
+    made: dict = {}
+
+    def clamp(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            made[id(t)] = _clamp_sorted(t, bound[id(t)])
+        return made[id(t)]
+
+    return tuple(  # type: ignore[return-value]
+        PackedSeqs(clamp(p.cu_seqlens), clamp(p.offsets), min(p.max_seqlen, p.total_tokens), p.total_tokens, bounded=True)
+        for p in (pq, pk)
+    )
+
+
+def checked_or_safe(pq: PackedSeqs, pk: PackedSeqs) -> "tuple[PackedSeqs, PackedSeqs]":
+    """Both sides of a THD call as the kernels may take them: on the CPU (or under
+    NVTE_ATTN_VALIDATE=1) their values are checked and bad ones rejected by name; on CUDA
+    otherwise they are bounded on the device (:func:`made_safe`), with no sync."""
+    device = pq.cu_seqlens.device
+    if value_checks_on(device):
+        pq.validate_values("cu_seqlens_q")
+        pk.validate_values("cu_seqlens_kv")
+        return pq, pk
+    if device.type == "cuda":
+        return made_safe(pq, pk)
+    return pq, pk
+
+
+def check_unpadded_offsets(name: str, cu_seqlens: torch.Tensor, padded: Optional[torch.Tensor]) -> None:
+    """pad_between_seqs=False says the padded offsets equal cu_seqlens; a value check (see
+    :func:`value_checks_on`) that they do, instead of silently ignoring them."""
+    if padded is None or padded is cu_seqlens:
+        return
+    if not torch.equal(padded, cu_seqlens):
+        raise ValueError(
+            f"pad_between_seqs=False says there are no gaps, but {name}_padded {padded.tolist()} differs from "
+            f"{name} {cu_seqlens.tolist()}; pass pad_between_seqs=True (or None to infer it)"
+        )
+
+
+def _check_sorted(name: str, values) -> None:
+    if values and values[0] < 0:
+        raise ValueError(f"{name} must start at 0 or more; got {values}")
+    drops = [i for i in range(1, len(values)) if values[i] < values[i - 1]]
+    if drops:
+        raise ValueError(f"{name} must be non-decreasing (cumulative); it decreases at index {drops[0]}: {values}")
+
+
+def _clamp_sorted(t: torch.Tensor, total: int) -> torch.Tensor:
+    return torch.cummax(t.clamp(0, total), dim=0).values
 
 
 def make_packed(

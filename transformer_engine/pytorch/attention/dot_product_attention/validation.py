@@ -5,6 +5,7 @@ Each error names the argument, what it got and what it accepts.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple, Union
 
 import torch
@@ -13,7 +14,7 @@ from .masks import AttnMaskType
 from .params import BIAS_TYPES, QKV_FORMATS
 from .thd import check_cu_seqlens
 
-BIAS_SHAPES = ("1hss", "b1ss", "bhss", "11ss")
+BIAS_SHAPES = ("1hss", "b1ss", "bhss", "11ss", "111s")
 
 
 def check_format(qkv_format) -> str:
@@ -49,12 +50,13 @@ def check_qkv(q, k, v, qkv_format: str, num_heads: int, num_gqa_groups: int, hea
 
 
 def check_mask_and_format(mask: AttnMaskType, qkv_format: str, attention_mask, has_cu_seqlens: bool) -> AttnMaskType:
-    """THD carries lengths, so its masks are the padding kinds; dense padding needs lengths."""
+    """THD carries lengths, so its masks are the padding kinds; dense padding needs lengths.
+
+    As in TE, a THD call takes its lengths from cu_seqlens and does not read ``attention_mask``
+    (callers that build one for every format may pass it along)."""
     if qkv_format == "thd":
         if mask is AttnMaskType.ARBITRARY:
             raise ValueError("attn_mask_type='arbitrary' needs a dense attention_mask; qkv_format='thd' accepts the padding mask types")
-        if attention_mask is not None:
-            raise ValueError("attention_mask is for bshd/sbhd; with qkv_format='thd' pass cu_seqlens_q/cu_seqlens_kv instead")
         return mask.with_padding()
     if mask.is_padding and attention_mask is None and not has_cu_seqlens:
         raise ValueError(
@@ -126,10 +128,49 @@ def check_bias(
         return None
     if not isinstance(bias, torch.Tensor) or bias.dim() != 4:
         raise ValueError(f"core_attention_bias must be a 4-D tensor with core_attention_bias_type={bias_type!r}; got {bias if bias is None else tuple(bias.shape)}")
-    bb, bh = bias.shape[:2]
-    if bb not in (1, b) or bh not in (1, h) or tuple(bias.shape[2:]) != (sq, skv):
-        raise ValueError(f"core_attention_bias must have shape [1|{b}, 1|{h}, {sq}, {skv}]; got {tuple(bias.shape)}")
+    bb, bh, bq = bias.shape[:3]
+    one_row = tuple(bias.shape) == (1, 1, 1, skv)  # TE's "111s": one bias row for every query
+    if not one_row and (bb not in (1, b) or bh not in (1, h) or tuple(bias.shape[2:]) != (sq, skv)):
+        raise ValueError(
+            f"core_attention_bias must have shape [1|{b}, 1|{h}, {sq}, {skv}] or [1, 1, 1, {skv}]; got {tuple(bias.shape)}"
+        )
+    if one_row and sq != 1:
+        return "111s"
     return ("b" if bb == b and b > 1 else "1") + ("h" if bh == h and h > 1 else "1") + "ss"
+
+
+def check_softmax_scale(scale) -> float:
+    """A finite real number (TE's default 1/sqrt(head_dim_qk) is applied by the caller)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be a finite float (or None for 1/sqrt(head_dim)); got {scale!r}")
+    return float(scale)
+
+
+def check_num_splits(num_splits) -> None:
+    """TE forwards num_splits to FlashAttention 3 as a split-KV performance hint; results do not
+    depend on it, and the kernels here choose their own splits, so it is checked and not used."""
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0):
+        raise ValueError(f"num_splits must be None or a non-negative int (0/1 = the kernel chooses); got {num_splits!r}")
+
+
+def check_bottom_right_diagonal(value, mask: AttnMaskType, window, alibi: bool = False) -> AttnMaskType:
+    """TE's ``bottom_right_diagonal``: None keeps the mask's own alignment (top-left for causal
+    and padding_causal, bottom-right otherwise); True/False choose it for the causal diagonal,
+    so a causal mask becomes its bottom-right twin or back."""
+    if value is None:
+        return mask
+    if not isinstance(value, bool):
+        raise TypeError(f"bottom_right_diagonal must be None, True or False; got {value!r}")
+    if not mask.is_causal:
+        banded = window is not None and tuple(window) not in ((-1, -1), (-1, 0))
+        if not value and (banded or alibi):
+            raise NotImplementedError(
+                f"bottom_right_diagonal=False with attn_mask_type={mask.value!r}: windows and ALiBi on non-causal masks are "
+                f"aligned bottom-right here; use None or True"
+            )
+        return mask
+    base = mask.value.replace("_bottom_right", "")
+    return AttnMaskType(base + "_bottom_right" if value else base)
 
 
 def check_kv_channels(kv_channels: Union[int, Tuple[int, int]]) -> Tuple[int, int]:
