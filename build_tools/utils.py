@@ -9,10 +9,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def read_version() -> str:
+    """The distribution's own version (``te-attention``), not the TE API level in ``__version__``."""
     text = (ROOT / "transformer_engine" / "version.py").read_text()
-    match = re.search(r'__version__\s*=\s*"([^"]+)"', text)
+    match = re.search(r'DISTRIBUTION_VERSION\s*=\s*"([^"]+)"', text)
     if match is None:
-        raise RuntimeError("transformer_engine/version.py has no __version__ string")
+        raise RuntimeError("transformer_engine/version.py has no DISTRIBUTION_VERSION string")
     return match.group(1)
 
 
@@ -23,6 +24,8 @@ OPTIONAL_DEPENDENCIES = {
     "fa4": ["flash-attn-4"],
     "fa2": ["flash-attn>=2.1"],
     # triton (+ numpy, which its CPU interpreter needs): the gap-row kernel is tested without a GPU
-    "test": ["pytest>=7", "hypothesis>=6", "triton>=3.2", "numpy"],
+    # megatron-core: the drop-in tests run its TEDotProductAttention and a small GPT on CPU; its
+    # own requirements are torch, numpy and packaging only (no second torch is pulled).
+    "test": ["pytest>=7", "hypothesis>=6", "triton>=3.2", "numpy", "megatron-core>=0.16,<0.17"],
     "bench": ["matplotlib>=3.7"],
 }

@@ -39,6 +39,9 @@ run_file test_gpu_cudnn_features.py
 run_file test_cudnn_wiring.py
 run_file test_fa3_adapter.py
 run_file test_gap_rows.py
+run_file test_te_import_surface.py
+run_file test_megatron_dropin.py
+run_file test_mha_tensor_parallel.py
 run_file test_qa_list.py
 
 echo

@@ -1,5 +1,30 @@
-"""TransformerEngine-compatible PyTorch modules (attention)."""
+"""TransformerEngine-compatible PyTorch modules.
 
+Attention (``DotProductAttention``, ``MultiheadAttention``) is implemented; so are the pieces
+around it that training code relies on (``distributed.CudaRNGStatesTracker``,
+``fp8.fp8_autocast(enabled=False)``). The other TE modules exported here (``Linear``,
+``LayerNormLinear``, ``GroupedLinear``, ``LayerNorm``, ``RMSNorm``, ``ops``, ``router``) are
+importable, subclassable stand-ins that raise ``NotImplementedError`` when used.
+"""
+
+from . import distributed, fp8, ops, router, tensor
 from .attention import DotProductAttention, MultiheadAttention
+from .fp8 import fp8_autocast, fp8_model_init
+from .module import GroupedLinear, LayerNorm, LayerNormLinear, Linear, RMSNorm
 
-__all__ = ["DotProductAttention", "MultiheadAttention"]
+__all__ = [
+    "DotProductAttention",
+    "MultiheadAttention",
+    "GroupedLinear",
+    "LayerNorm",
+    "LayerNormLinear",
+    "Linear",
+    "RMSNorm",
+    "distributed",
+    "fp8",
+    "fp8_autocast",
+    "fp8_model_init",
+    "ops",
+    "router",
+    "tensor",
+]

@@ -8,21 +8,33 @@ not a plain view (interleaved GQA, whose query heads sit between key and value p
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple, Union
+import contextlib
+from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 from .dot_product_attention import DotProductAttention
+from .tensor_parallel import enter_column_parallel, leave_row_parallel
 from .dot_product_attention.thd import PackedSeqs, make_packed, infer_pad_between_seqs
 
 
 class MultiheadAttention(torch.nn.Module):
-    """Self- or cross-attention with input/output projections.
+    """Self- or cross-attention with input/output projections, in TE's argument order.
 
     ``qkv_weight_interleaved=True`` (TE's default) lays the fused projection out per key/value
     group as [g query heads, key, value], i.e. [.., HG, G+2, D]; False concatenates
     [all queries | all keys | all values]. ``device=None`` means CUDA when available, else CPU.
+
+    Tensor parallelism (``set_parallel_mode=True``, tp from ``tp_group``'s world size, else
+    ``tp_size``): the QKV projection is column-parallel (each rank holds the rows of its
+    ``h/tp`` heads and ``g/tp`` groups, in the same layout as a tp=1 module of those counts),
+    the output projection row-parallel (each rank holds the columns of its heads; the partial
+    products are all-reduced over ``tp_group``, then the bias is added once). With
+    ``sequence_parallel=True`` the input arrives split along dim 0 and is all-gathered before
+    the QKV projection, and the output is reduce-scattered along dim 0, as TE's linear layers do.
+    Weights are drawn with ``init_method`` / ``output_layer_init_method`` (default: normal,
+    std 0.023, as TE), inside the RNG tracker's ``fork()`` when one is given; biases start at 0.
     """
 
     def __init__(
@@ -32,59 +44,118 @@ class MultiheadAttention(torch.nn.Module):
         kv_channels: Optional[int] = None,
         attention_dropout: float = 0.1,
         layernorm_epsilon: float = 1e-5,
+        init_method: Optional[Callable[[torch.Tensor], Any]] = None,
+        output_layer_init_method: Optional[Callable[[torch.Tensor], Any]] = None,
         layer_number: Optional[int] = None,
         attn_mask_type: str = "causal",
         window_size: Optional[Tuple[int, int]] = None,
         tp_group: Any = None,
         tp_size: int = 1,
         num_gqa_groups: Optional[int] = None,
+        fuse_wgrad_accumulation: bool = False,
         get_rng_state_tracker: Any = None,
         sequence_parallel: bool = False,
         params_dtype: Optional[torch.dtype] = None,
         return_bias: bool = False,
+        return_layernorm_output: bool = False,
         input_layernorm: bool = False,
         attention_type: str = "self",
+        set_parallel_mode: bool = False,
         fuse_qkv_params: bool = False,
+        zero_centered_gamma: bool = False,
         qkv_weight_interleaved: bool = True,
+        rotary_pos_interleaved: bool = False,
+        ub_overlap_ag: bool = False,
+        ub_overlap_rs: bool = False,
+        ub_overlap_rs_dgrad: bool = False,
+        ub_bulk_dgrad: bool = False,
+        ub_bulk_wgrad: bool = False,
         bias: bool = True,
         normalization: str = "LayerNorm",
         device: Optional[Union[str, torch.device]] = None,
         qkv_format: str = "sbhd",
+        name: Optional[str] = None,
+        qk_norm_type: Optional[str] = None,
+        qk_norm_eps: float = 1e-6,
+        qk_norm_before_rope: bool = False,
+        seq_length: Optional[int] = None,
+        micro_batch_size: Optional[int] = None,
+        softmax_type: str = "vanilla",
     ) -> None:
         super().__init__()
-        if normalization not in ("LayerNorm", "RMSNorm"):
-            raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm'; got {normalization!r}")
-        if attention_type not in ("self", "cross"):
-            raise ValueError(f"attention_type must be 'self' or 'cross'; got {attention_type!r}")
+        _reject_unsupported(fuse_wgrad_accumulation=fuse_wgrad_accumulation, zero_centered_gamma=zero_centered_gamma,
+                            rotary_pos_interleaved=rotary_pos_interleaved, ub_overlap_ag=ub_overlap_ag,
+                            ub_overlap_rs=ub_overlap_rs, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad,
+                            ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad, qk_norm_type=qk_norm_type)
+        _check_args(num_attention_heads, normalization, attention_type, layer_number, return_layernorm_output, input_layernorm)
         device = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = params_dtype or torch.get_default_dtype()
-        self.h = num_attention_heads
-        self.hg = num_gqa_groups or num_attention_heads
+        factory = dict(device=device, dtype=params_dtype or torch.get_default_dtype())
+        self.name, self.layer_number, self.softmax_type = name, layer_number, softmax_type
+        self.tp_group, self.set_parallel_mode = tp_group, set_parallel_mode
+        self.tp_size = _tp_world_size(tp_size, tp_group)
+        if self.tp_size > 1 and not set_parallel_mode:
+            raise ValueError(f"a tensor-parallel size of {self.tp_size} (tp_size / tp_group) needs set_parallel_mode=True; "
+                             "got set_parallel_mode=False")
+        # As in TE: sequence parallelism only means something across more than one rank.
+        self.sequence_parallel = self.tp_size > 1 and sequence_parallel
+        self.num_attention_heads, self.num_gqa_groups = num_attention_heads, num_gqa_groups or num_attention_heads
+        self.h = _divide("num_attention_heads", num_attention_heads, self.tp_size)  # per rank
+        self.hg = _divide("num_gqa_groups", self.num_gqa_groups, self.tp_size)
         self.d = kv_channels or hidden_size // num_attention_heads
         self.attention_type, self.qkv_format, self.return_bias = attention_type, qkv_format, return_bias
+        self.return_layernorm_output = return_layernorm_output
         self.fuse_qkv_params, self.interleaved = fuse_qkv_params, qkv_weight_interleaved
-        factory = dict(device=device, dtype=dtype)
         self.layernorm = None
         if input_layernorm:
             norm = torch.nn.LayerNorm if normalization == "LayerNorm" else torch.nn.RMSNorm
             self.layernorm = norm(hidden_size, eps=layernorm_epsilon, **factory)
+        self._build_projections(hidden_size, bias, factory)
+        self._init_weights(init_method, output_layer_init_method, get_rng_state_tracker)
+        self.core_attention = DotProductAttention(
+            num_attention_heads, self.d, num_gqa_groups=self.num_gqa_groups, attention_dropout=attention_dropout,
+            qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window_size,
+            sequence_parallel=sequence_parallel, tp_size=self.tp_size, get_rng_state_tracker=get_rng_state_tracker,
+            tp_group=tp_group, layer_number=layer_number, attention_type=attention_type,
+            softmax_type=softmax_type,
+        )
+
+    def _build_projections(self, hidden_size: int, bias: bool, factory: dict) -> None:
+        """This rank's projections (the whole ones at tp=1)."""
         q_out, kv_out = self.h * self.d, 2 * self.hg * self.d
-        if attention_type == "self" and fuse_qkv_params:
+        if self.attention_type == "self" and self.fuse_qkv_params:
             self.qkv = torch.nn.Linear(hidden_size, q_out + kv_out, bias=bias, **factory)
         else:
             self.query = torch.nn.Linear(hidden_size, q_out, bias=bias, **factory)
-            if attention_type == "cross" and fuse_qkv_params:
+            if self.attention_type == "cross" and self.fuse_qkv_params:
                 self.key_value = torch.nn.Linear(hidden_size, kv_out, bias=bias, **factory)
             else:
                 self.key = torch.nn.Linear(hidden_size, self.hg * self.d, bias=bias, **factory)
                 self.value = torch.nn.Linear(hidden_size, self.hg * self.d, bias=bias, **factory)
+        # Row-parallel: its bias is added once, after the partial products are summed.
         self.proj = torch.nn.Linear(q_out, hidden_size, bias=bias, **factory)
-        self.core_attention = DotProductAttention(
-            num_attention_heads, self.d, num_gqa_groups=self.hg, attention_dropout=attention_dropout,
-            qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window_size,
-            sequence_parallel=sequence_parallel, tp_size=tp_size, get_rng_state_tracker=get_rng_state_tracker,
-            tp_group=tp_group, layer_number=layer_number, attention_type=attention_type,
-        )
+
+    @torch.no_grad()
+    def _init_weights(self, init_method, output_layer_init_method, get_rng_state_tracker) -> None:
+        init_method = init_method or _default_init
+        output_layer_init_method = output_layer_init_method or _default_init
+        # TE draws tensor-parallel shards on the tracker's model-parallel stream.
+        fork = get_rng_state_tracker().fork if get_rng_state_tracker is not None else contextlib.nullcontext
+        with fork():
+            for name in ("qkv", "query", "key_value", "key", "value", "proj"):
+                layer = getattr(self, name, None)
+                if layer is None:
+                    continue
+                (output_layer_init_method if name == "proj" else init_method)(layer.weight)
+                if layer.bias is not None:
+                    layer.bias.zero_()
+
+    def set_tensor_parallel_group(self, tp_group: Any) -> None:
+        """Supply the tensor-parallel group after construction (built with ``tp_size``), as in TE."""
+        world = _tp_world_size(1, tp_group)
+        if tp_group is not None and world != self.tp_size:
+            raise ValueError(f"tp_group has {world} ranks but this module was built for tp_size={self.tp_size}")
+        self.tp_group = tp_group
+        self.core_attention.tp_group = tp_group
 
     def forward(
         self,
@@ -110,14 +181,21 @@ class MultiheadAttention(torch.nn.Module):
         pad_between_seqs: Optional[bool] = None,
         **per_seq_policy,
     ):
-        """hidden_states: [s, b, hidden] / [b, s, hidden] / [t, hidden] by ``qkv_format``.
+        """hidden_states: [s, b, hidden] / [b, s, hidden] / [t, hidden] by ``qkv_format`` (this
+        rank's dim-0 shard of it under sequence parallelism).
 
-        Extra keywords (``attn_mask_type_per_seq``, ``thd_sequence_is_causal``) go to
-        DotProductAttention unchanged."""
+        Returns the output, then the projection bias if ``return_bias``, then the layernorm
+        output if ``return_layernorm_output``, as TE does. Extra keywords
+        (``attn_mask_type_per_seq``, ``thd_sequence_is_causal``) go to DotProductAttention."""
         if self.attention_type == "cross" and encoder_output is None:
             raise ValueError("attention_type='cross' needs encoder_output; got None")
-        x = self.layernorm(hidden_states) if self.layernorm is not None else hidden_states
-        packed = self._project(x, encoder_output)
+        ln_out = self.layernorm(hidden_states) if self.layernorm is not None else hidden_states
+        x, enc = ln_out, encoder_output
+        if self.set_parallel_mode:
+            x = enter_column_parallel(x, self.tp_group, self.sequence_parallel)
+            if enc is not None:
+                enc = enter_column_parallel(enc, self.tp_group, self.sequence_parallel)
+        packed = self._project(x, enc)
         if rotary_pos_emb is not None:
             packed = self._apply_rope(packed, rotary_pos_emb, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, pad_between_seqs)
         ctx = self.core_attention(
@@ -129,9 +207,15 @@ class MultiheadAttention(torch.nn.Module):
             max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, fast_zero_fill=fast_zero_fill,
             pad_between_seqs=pad_between_seqs, **packed, **per_seq_policy,
         )
+        out = F.linear(ctx, self.proj.weight)
+        if self.set_parallel_mode:
+            out = leave_row_parallel(out, self.tp_group, self.sequence_parallel)
+        outputs = (out,) if self.return_bias or self.proj.bias is None else (out + self.proj.bias,)
         if self.return_bias:
-            return F.linear(ctx, self.proj.weight), self.proj.bias
-        return self.proj(ctx)
+            outputs += (self.proj.bias,)
+        if self.return_layernorm_output:
+            outputs += (ln_out,)
+        return outputs if len(outputs) > 1 else outputs[0]
 
     def _project(self, x: torch.Tensor, encoder_output: Optional[torch.Tensor]) -> dict:
         """Keyword arguments for DotProductAttention: a declared packed buffer where possible."""
@@ -172,6 +256,49 @@ class MultiheadAttention(torch.nn.Module):
             q_pos = k_pos = None
         return dict(query_layer=apply_rotary_pos_emb(q, q_freqs, self.qkv_format, q_pos),
                     key_layer=apply_rotary_pos_emb(k, k_freqs, self.qkv_format, k_pos), value_layer=v)
+
+
+def _default_init(weight: torch.Tensor) -> None:
+    """TE's default weight init: normal, mean 0, std 0.023."""
+    torch.nn.init.normal_(weight, mean=0.0, std=0.023)
+
+
+def _tp_world_size(tp_size: int, tp_group: Any) -> int:
+    if tp_group is None:
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tp_size must be a positive int; got {tp_size!r}")
+        return tp_size
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size(tp_group)
+
+
+def _divide(name: str, count: int, tp_size: int) -> int:
+    if count % tp_size:
+        raise ValueError(f"{name}={count} must be divisible by the tensor-parallel size {tp_size} (tp_size, or tp_group's world size)")
+    return count // tp_size
+
+
+def _check_args(heads, normalization, attention_type, layer_number, return_layernorm_output, input_layernorm) -> None:
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads <= 0:
+        raise ValueError(f"num_attention_heads must be a positive int; got {heads!r}")
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm'; got {normalization!r}")
+    if attention_type not in ("self", "cross"):
+        raise ValueError(f"attention_type must be 'self' or 'cross'; got {attention_type!r}")
+    if layer_number is not None and (not isinstance(layer_number, int) or layer_number <= 0):
+        raise ValueError(f"layer_number must be a positive int or None; got {layer_number!r}")
+    if return_layernorm_output and not input_layernorm:
+        raise ValueError("return_layernorm_output=True needs input_layernorm=True (there is no layernorm output otherwise)")
+
+
+def _reject_unsupported(qk_norm_type: Optional[str], **flags: bool) -> None:
+    """TE options this module does not implement: each named when asked for."""
+    for name, value in flags.items():
+        if value:
+            raise NotImplementedError(f"{name}=True is not implemented by MultiheadAttention (accepted: False)")
+    if qk_norm_type is not None:
+        raise NotImplementedError(f"qk_norm_type={qk_norm_type!r} is not implemented by MultiheadAttention (accepted: None)")
 
 
 def _split(packed: dict):

@@ -27,9 +27,10 @@ from .validation import (check_bias, check_bottom_right_diagonal, check_format, 
 class DotProductAttention(torch.nn.Module):
     """Scaled dot-product attention over [s,b,h,d], [b,s,h,d] or packed [t,h,d] inputs.
 
-    Output flattens heads: [s, b, h*dv], [b, s, h*dv] or [t, h*dv]. Tensor and context
-    parallelism are accepted as arguments but not implemented (a value that needs them raises
-    ``NotImplementedError``).
+    Output flattens heads: [s, b, h*dv], [b, s, h*dv] or [t, h*dv]. Tensor parallelism as TE
+    defines it: ``num_attention_heads`` and ``num_gqa_groups`` are global counts and each rank
+    passes its own ``h // tp`` heads (tp is ``tp_group``'s world size when given, else
+    ``tp_size``). Context parallelism is not implemented (a ``cp_group`` raises).
     """
 
     def __init__(
@@ -56,7 +57,12 @@ class DotProductAttention(torch.nn.Module):
         return_max_logit: bool = False,
     ) -> None:
         super().__init__()
-        _reject_parallelism(sequence_parallel, tp_size, tp_group, cp_group)
+        # As in TE: the group's size wins over tp_size; heads and groups are global counts.
+        self.tp_size = _reject_parallelism(tp_size, tp_group, cp_group)
+        self.tp_group = tp_group
+        # Under sequence parallelism TE draws attention dropout from the default generator, not
+        # the tracker's model-parallel stream (see _dropout_rng).
+        self.sequence_parallel = bool(sequence_parallel)
         if softmax_type != "vanilla" or return_max_logit:
             raise NotImplementedError(f"softmax_type={softmax_type!r} / return_max_logit={return_max_logit} are not implemented; use 'vanilla' / False")
         if not isinstance(num_attention_heads, int) or num_attention_heads <= 0:
@@ -69,6 +75,8 @@ class DotProductAttention(torch.nn.Module):
         if attention_type not in ("self", "cross"):
             raise ValueError(f"attention_type must be 'self' or 'cross'; got {attention_type!r}")
         self.num_attention_heads = num_attention_heads
+        self.num_attention_heads_per_partition = _per_partition("num_attention_heads", num_attention_heads, self.tp_size)
+        self.num_gqa_groups_per_partition = _per_partition("num_gqa_groups", self.num_gqa_groups, self.tp_size)
         self.head_dims = check_kv_channels(kv_channels)
         self.attention_dropout = attention_dropout
         if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
@@ -161,7 +169,7 @@ class DotProductAttention(torch.nn.Module):
                 is_causal, bottom_right_diagonal, bias_type) -> AttentionInputs:
         """Checks the call and builds its inputs (the full path; :mod:`.fast_path` reuses its
         decisions for calls with the same host facts)."""
-        check_qkv(qkv.q, qkv.k, qkv.v, fmt, self.num_attention_heads, self.num_gqa_groups, self.head_dims)
+        check_qkv(qkv.q, qkv.k, qkv.v, fmt, self.num_attention_heads_per_partition, self.num_gqa_groups_per_partition, self.head_dims)
         raw_window = window_size if window_size is not None else self.window_size
         mask = AttnMaskType.parse(attn_mask_type if attn_mask_type is not None else self.attn_mask_type)
         mask = check_bottom_right_diagonal(bottom_right_diagonal, mask, raw_window, bias_type == "alibi")
@@ -178,7 +186,7 @@ class DotProductAttention(torch.nn.Module):
         return inp
 
     def _dropout_rng(self):
-        if self.get_rng_state_tracker is None or not (self.training and self.attention_dropout > 0):
+        if self.get_rng_state_tracker is None or self.sequence_parallel or not (self.training and self.attention_dropout > 0):
             return contextlib.nullcontext()
         return self.get_rng_state_tracker().fork()
 
@@ -276,14 +284,25 @@ def _reject_per_seq(per_seq, is_causal, what: str) -> None:
         raise NotImplementedError(f"{name} needs qkv_format='thd' (per-sequence policies are a packed-batch feature); got {what}")
 
 
-def _reject_parallelism(sequence_parallel, tp_size, tp_group, cp_group) -> None:
-    if sequence_parallel or tp_size != 1 or tp_group is not None:
-        raise NotImplementedError(
-            f"tensor/sequence parallelism is not implemented; got sequence_parallel={sequence_parallel}, "
-            f"tp_size={tp_size}, tp_group={'set' if tp_group is not None else None} (accepted: False, 1, None)"
-        )
+def _reject_parallelism(tp_size, tp_group, cp_group) -> int:
+    """The tensor-parallel size (``tp_group``'s world size when given, as in TE; 1 when
+    torch.distributed is not initialized); context parallelism is rejected."""
     if cp_group is not None:
         raise NotImplementedError("context parallelism is not implemented; got a cp_group (accepted: None)")
+    if tp_group is None:
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tp_size must be a positive int; got {tp_size!r}")
+        return tp_size
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size(tp_group)
+
+
+def _per_partition(name: str, count: int, tp_size: int) -> int:
+    """Heads (or GQA groups) one tensor-parallel rank works on."""
+    if count % tp_size:
+        raise ValueError(f"{name}={count} must be divisible by the tensor-parallel size {tp_size} (tp_size, or tp_group's world size)")
+    return count // tp_size
 
 
 def _flatten(out: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -151,7 +151,7 @@ def call_key(module, qkv_format, layers, interleave_dim, cus, max_seqlens, attn_
     else:
         thd = None
     settings = (module.training, module.attention_dropout, module.qkv_format, module.attn_mask_type, module.window_size,
-                module.num_attention_heads, module.num_gqa_groups, module.head_dims)
+                module.num_attention_heads_per_partition, module.num_gqa_groups_per_partition, module.head_dims)
     return (fmt, tuple(facts), interleave_dim, thd, attn_mask_type, window_size, bottom_right_diagonal, settings,
             torch.is_grad_enabled(), env_snapshot())
 
