@@ -41,6 +41,7 @@ run_file test_fa3_adapter.py
 run_file test_gap_rows.py
 run_file test_softmax_variants.py
 run_file test_unfused_memory.py
+run_file test_gpu_softmax_variants.py
 run_file test_qa_list.py
 
 echo

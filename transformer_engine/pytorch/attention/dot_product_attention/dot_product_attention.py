@@ -295,7 +295,9 @@ def _add_softmax_offset(module: torch.nn.Module, softmax_type: str, heads: int, 
 
 
 def _with_softmax(module, inp: AttentionInputs) -> AttentionInputs:
-    inp.softmax_type, inp.softmax_offset, inp.return_max_logit = module.softmax_type, module.softmax_offset, module.return_max_logit
+    """The module's softmax variant onto a call's inputs (both the full and the fast path)."""
+    inp.softmax_type, inp.softmax_offset = module.softmax_type, module.softmax_offset
+    inp.return_max_logit = module.return_max_logit
     return inp
 
 
