@@ -22,7 +22,7 @@ from .gpu_ops import ops  # the kernels (registers the custom ops; imports no GP
 from .gap_rows import FA4_MAX_TILE_ROWS
 from .masks import AttnMaskType, MaskSpec
 from .params import AttentionInputs
-from .support import ALL_FLOAT, BackendSupport, Reason
+from .support import ALL_FLOAT, SOFTMAX_TYPES, BackendSupport, Reason
 from .thd import PackedSeqs
 from .unfused import unfused_attention
 
@@ -129,13 +129,15 @@ def fa_mask_args(spec: MaskSpec) -> Tuple[bool, int, int]:
 @dataclass
 class ScoreFeatures:
     """What a kernel adds on the way from scores to output: a post-scale ``bias`` (already in
-    the inputs' dtype), ALiBi, and dropout with its Philox ``rng`` (int64 [seed, offset], drawn
-    once per forward from torch's generator and reused by the backward, so both see one mask)."""
+    the inputs' dtype), ALiBi, dropout with its Philox ``rng`` (int64 [seed, offset], drawn
+    once per forward from torch's generator and reused by the backward, so both see one mask),
+    and the attention ``sink`` logits (float32 [H]; off-by-one passes zeros)."""
 
     bias: Optional[torch.Tensor] = None
     alibi: bool = False
     dropout_p: float = 0.0
     rng: Optional[torch.Tensor] = None
+    sink: Optional[torch.Tensor] = None
 
     def cudnn_args(self) -> tuple:
         return self.bias, self.rng, self.alibi, self.dropout_p
@@ -161,12 +163,12 @@ class KernelCall:
     alibi: bool
     dropout_p: float
 
-    def forward(self, q, k, v, bias):
+    def forward(self, q, k, v, bias, sink):
         """(q, k, v as the kernel read them, out, rng, stats)."""
         if self.guard == "copy":
             q, k, v = _zero_spill_rows(self.inp, *(t.clone() for t in (q, k, v)))
         rng = _draw_rng(q.device) if self.dropout_p > 0 else None
-        features = ScoreFeatures(bias, self.alibi, self.dropout_p, rng)
+        features = ScoreFeatures(bias, self.alibi, self.dropout_p, rng, sink)
         out, stats = self.kernel.forward(q, k, v, features, self.inp, self.plan, _calls(self.inp, self.plan), self.need_stats)
         return q, k, v, out, rng, stats
 
@@ -176,21 +178,23 @@ class _KernelAttention(torch.autograd.Function):
     decides how the calls of several policies are combined (see each kernel class)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, call: KernelCall):
-        q, k, v, out, rng, stats = call.forward(q, k, v, bias)
+    def forward(ctx, q, k, v, bias, sink, call: KernelCall):
+        q, k, v, out, rng, stats = call.forward(q, k, v, bias, sink)
         ctx.call = call
-        ctx.save_for_backward(q, k, v, out, bias, rng, *stats)
+        ctx.save_for_backward(q, k, v, out, bias, rng, sink, *stats)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, bias, rng, *stats = ctx.saved_tensors
+        q, k, v, out, bias, rng, sink, *stats = ctx.saved_tensors
         call = ctx.call
         dout = dout if dout.stride() == out.stride() else dout.contiguous()
-        features = ScoreFeatures(bias, call.alibi, call.dropout_p, rng)
-        dq, dk, dv, dbias = call.kernel.backward(dout, q, k, v, out, stats, features, ctx.needs_input_grad[3], call.inp,
-                                                 call.plan, _calls(call.inp, call.plan))
-        return dq, dk, dv, dbias, None  # nothing for ``call``
+        features = ScoreFeatures(bias, call.alibi, call.dropout_p, rng, sink)
+        dq, dk, dv, dbias, dsink = call.kernel.backward(dout, q, k, v, out, stats, features, ctx.needs_input_grad[3],
+                                                        call.inp, call.plan, _calls(call.inp, call.plan))
+        if not ctx.needs_input_grad[4]:
+            dsink = None
+        return dq, dk, dv, dbias, dsink, None  # nothing for ``call``
 
 
 def _gap_guard(plan: Optional[VarlenPlan], kernel) -> str:
@@ -240,12 +244,14 @@ def _run_kernel(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan], traini
     if guard == "inplace":
         _zero_spill_rows_in_place(inp)
     bias = _kernel_bias(inp)
+    # The sink logits in float32 (what FA4 and cuDNN take), [H]; the cast keeps the gradient path.
+    sink = None if inp.softmax_type == "vanilla" else inp.softmax_offset.reshape(-1).float().contiguous()
     # Without gradients FA4 may skip its log-sum-exp (``needs_input_grad`` ignores no_grad).
-    need_stats = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (inp.q, inp.k, inp.v, bias))
+    need_stats = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (inp.q, inp.k, inp.v, bias, sink))
     call = KernelCall(kernel, inp, plan, guard, need_stats, inp.bias_type == "alibi", inp.dropout_p if training else 0.0)
     if not need_stats:  # nothing to differentiate: skip autograd.Function.apply (~10 us of host time)
-        return call.forward(inp.q, inp.k, inp.v, bias)[3]
-    return _KernelAttention.apply(inp.q, inp.k, inp.v, bias, call)
+        return call.forward(inp.q, inp.k, inp.v, bias, sink)[3]
+    return _KernelAttention.apply(inp.q, inp.k, inp.v, bias, sink, call)
 
 
 def _kernel_bias(inp: AttentionInputs) -> Optional[torch.Tensor]:
@@ -280,6 +286,8 @@ class UnfusedDotProductAttention(BackendSupport):
     SUPPORTS_DROPOUT = True
     SUPPORTS_PAD_BETWEEN_SEQS = True
     SUPPORTS_PER_SEQ_POLICY = True
+    SUPPORTED_SOFTMAX_TYPES = frozenset(SOFTMAX_TYPES)
+    SUPPORTS_RETURN_MAX_LOGIT = True
 
     @classmethod
     def _check_special(cls, params, libs):
@@ -300,6 +308,9 @@ class FlashAttention(BackendSupport):
     NOTES = {
         "attention_mask": "FlashAttention takes padding only as cu_seqlens (qkv_format='thd')",
         "attn_mask_type": "FlashAttention aligns causal masks bottom-right only",
+        "softmax_type": "this FlashAttention library takes no attention-sink logits",
+        "return_max_logit": "FlashAttention returns only the log-sum-exp, which bounds the max logit "
+                            "(max <= lse <= max + log(skv)) but does not give it",
     }
 
     @classmethod
@@ -316,6 +327,10 @@ class FlashAttentionV4(FlashAttention):
     COMPUTE_CAPABILITY_MAJORS = frozenset({9, 10})
     SUPPORTS_PAD_BETWEEN_SEQS = True
     SUPPORTS_PER_SEQ_POLICY = True
+    # flash-attn-4 (4.0.0b36) takes ``learnable_sink`` [H] in the forward and returns its
+    # gradient from the backward (dense and varlen, sm90 and sm10x); off-by-one is a sink of 0.
+    SUPPORTED_SOFTMAX_TYPES = frozenset(SOFTMAX_TYPES)
+    NOTES = {field: note for field, note in FlashAttention.NOTES.items() if field != "softmax_type"}
 
     @classmethod
     def _check_special(cls, params, libs):
@@ -323,6 +338,9 @@ class FlashAttentionV4(FlashAttention):
         dims = (params.head_dim_qk, params.head_dim_v)
         if cc is not None and cc[0] == 10 and max(dims) > 128 and dims != (256, 256):
             return [Reason("head_dim_qk", str(params.head_dim_qk), "<= 128 or (256, 256) on sm10x")]
+        if cc is not None and cc[0] == 10 and dims == (256, 256) and params.softmax_type != "vanilla" and params.requires_grad:
+            return [Reason("softmax_type", repr(params.softmax_type),
+                           "vanilla with head dim 256 on sm10x when gradients are needed (FA4's dedicated hd256 backward has no sink)")]
         if cc is not None and cc[0] == 9 and params.requires_grad and dims[0] != dims[1]:
             # Probed on the H200 (benchmarks/results/2026-12-03-h200/probe_fa4.log): the forward
             # runs, the backward refuses (GQA) or exceeds shared memory at launch.
@@ -353,8 +371,10 @@ class _FA4Kernel:
         if need_lse:  # without it FA4 runs its inference variant (no LSE store)
             shape = (q.shape[-2], q.shape[0]) if plan is not None else (q.shape[0], q.shape[2], q.shape[1])
             lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+        sink = {} if features.sink is None else {"learnable_sink": features.sink}
         for call in calls:
-            ops.fa4_fwd(q, k, v, out, lse, *_FA4Kernel._varlen(inp, plan, call), inp.softmax_scale, *fa_mask_args(call.spec))
+            ops.fa4_fwd(q, k, v, out, lse, *_FA4Kernel._varlen(inp, plan, call), inp.softmax_scale, *fa_mask_args(call.spec),
+                        **sink)
         if plan is not None:
             ops.zero_gap_rows(out, inp.packed_q.cu_seqlens, plan.offsets_q, -1)
         return out, [lse]
@@ -362,13 +382,19 @@ class _FA4Kernel:
     @staticmethod
     def backward(dout, q, k, v, out, stats, features, need_dbias, inp, plan, calls):
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        dsink, sink = None, {}
+        if features.sink is not None:
+            # Each policy's call adds the sum over its own rows (FA4 reduces -exp(sink - lse) *
+            # rowsum(dO * O) over the rows it runs).
+            dsink = torch.zeros_like(features.sink)
+            sink = {"learnable_sink": features.sink, "dsink": dsink}
         for call in calls:
             ops.fa4_bwd(dout, q, k, v, out, stats[0], dq, dk, dv, *_FA4Kernel._varlen(inp, plan, call),
-                        inp.softmax_scale, *fa_mask_args(call.spec), torch.are_deterministic_algorithms_enabled())
+                        inp.softmax_scale, *fa_mask_args(call.spec), torch.are_deterministic_algorithms_enabled(), **sink)
         if plan is not None:
             ops.zero_gap_rows_qkv(dq, dk, dv, inp.packed_q.cu_seqlens, plan.offsets_q, inp.packed_kv.cu_seqlens,
                                   plan.offsets_kv, -1)
-        return dq, dk, dv, None
+        return dq, dk, dv, None, dsink
 
     @staticmethod
     def _varlen(inp: AttentionInputs, plan: Optional[VarlenPlan], call: VarlenCall):
@@ -499,7 +525,14 @@ class FusedAttention(BackendSupport):
     SUPPORTS_PER_SEQ_POLICY = True
     SUPPORTS_DROPOUT = True
     SUPPORTED_BIAS_TYPES = frozenset({"no_bias", "post_scale_bias", "alibi"})
-    NOTES = {"core_attention_bias_type": "cuDNN adds a bias after scaling only"}
+    NOTES = {
+        "core_attention_bias_type": "cuDNN adds a bias after scaling only",
+        # Facts for whoever wires them: cudnn-frontend 1.32's sdpa/sdpa_backward take
+        # sink_token / dSink_token ([1, H, 1, 1] float32; needs cuDNN >= 9.13, and >= 9.26 for
+        # the ragged (THD) backward) and sdpa can output score_max (per-row max logit).
+        "softmax_type": "cuDNN's sink_token is not wired here yet",
+        "return_max_logit": "cuDNN's score_max output is not wired here yet",
+    }
 
     @classmethod
     def _check_special(cls, params, libs):
@@ -582,10 +615,10 @@ class _CudnnKernel:
                  for call, st in zip(calls, stats)]
         dbias = grads[0][3] if need_dbias else None  # a bias never meets per-sequence policies
         if len(grads) == 1:
-            return (*grads[0][:3], dbias)
+            return (*grads[0][:3], dbias, None)  # no sink: declared unsupported
         owner_q, owner_kv = _owners(inp)
         return (*(combine_rows(owner, [(call.policy, g[i]) for call, g in zip(calls, grads)])
-                  for i, owner in ((0, owner_q), (1, owner_kv), (2, owner_kv))), dbias)
+                  for i, owner in ((0, owner_q), (1, owner_kv), (2, owner_kv))), dbias, None)
 
     @staticmethod
     def _args(inp: AttentionInputs, plan: Optional[VarlenPlan], call: VarlenCall):

@@ -17,6 +17,7 @@ from .fast_path import call_key, lookup, new_inputs, recipe_of, remember
 from .masks import AttnMaskType, MaskSpec, normalize_window
 from .packed_qkv import resolve_qkv
 from .params import AttentionInputs, AttentionParams, params_key
+from .support import SOFTMAX_TYPES
 from .per_seq_policy import SeqPolicies, from_is_causal, from_mask_type_dict
 from .thd import check_cu_seqlens, check_unpadded_offsets, checked_or_safe, infer_pad_between_seqs, make_packed, value_checks_on
 from .utils import BACKENDS_BY_LABEL, chosen_backend_label, require_backend
@@ -63,8 +64,10 @@ class DotProductAttention(torch.nn.Module):
         # Under sequence parallelism TE draws attention dropout from the default generator, not
         # the tracker's model-parallel stream (see _dropout_rng).
         self.sequence_parallel = bool(sequence_parallel)
-        if softmax_type != "vanilla" or return_max_logit:
-            raise NotImplementedError(f"softmax_type={softmax_type!r} / return_max_logit={return_max_logit} are not implemented; use 'vanilla' / False")
+        if softmax_type not in SOFTMAX_TYPES:
+            raise ValueError(f"softmax_type must be one of {', '.join(map(repr, SOFTMAX_TYPES))}; got {softmax_type!r}")
+        if not isinstance(return_max_logit, bool):
+            raise TypeError(f"return_max_logit must be a bool; got {return_max_logit!r}")
         if not isinstance(num_attention_heads, int) or num_attention_heads <= 0:
             raise ValueError(f"num_attention_heads must be a positive int; got {num_attention_heads!r}")
         self.num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
@@ -92,6 +95,8 @@ class DotProductAttention(torch.nn.Module):
         self.attention_type = attention_type
         self.layer_number = layer_number
         self.softmax_scale = check_softmax_scale(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(self.head_dims[0])
+        self.softmax_type, self.return_max_logit = softmax_type, return_max_logit
+        _add_softmax_offset(self, softmax_type, self.num_attention_heads_per_partition, get_rng_state_tracker)
         self._recipes: dict = {}  # host decisions of earlier calls, by their host facts (fast_path.py)
 
     def forward(
@@ -146,7 +151,7 @@ class DotProductAttention(torch.nn.Module):
         # nothing of this dict, which eager calls keep changing.
         recipe = lookup(self._recipes, key) if key is not None else None
         if recipe is not None:
-            inp = recipe.inputs(self, layers, cus, max_seqlens)
+            inp = _with_softmax(self, recipe.inputs(self, layers, cus, max_seqlens))
             fmt, backend = recipe.qkv_format, recipe.selection.backend
             object.__setattr__(self, "last_selection", recipe.selection)
         else:
@@ -154,6 +159,7 @@ class DotProductAttention(torch.nn.Module):
             qkv = resolve_qkv(*layers, qkv_interleave_dim, fmt)
             inp = self._inputs(qkv, fmt, attention_mask, cus, max_seqlens, attn_mask_type, window_size, pad_between_seqs,
                                attn_mask_type_per_seq, thd_sequence_is_causal, bottom_right_diagonal, core_attention_bias_type)
+            _with_softmax(self, inp)
             self._fill_bias(inp, core_attention_bias_type, core_attention_bias, alibi_slopes)
             backend = self._select(self._params(inp, fmt, qkv.layout))
             if key is not None:
@@ -163,6 +169,8 @@ class DotProductAttention(torch.nn.Module):
                 out = torch.utils.checkpoint.checkpoint(backend.run, inp, self.training, use_reentrant=False)
             else:
                 out = backend.run(inp, self.training)
+        if self.return_max_logit:  # as TE: (output, max logit [H])
+            return _flatten(out, fmt), inp.max_logit
         return _flatten(out, fmt)
 
     def _inputs(self, qkv, fmt, attention_mask, cus, max_seqlens, attn_mask_type, window_size, pad_between_seqs, per_seq,
@@ -264,7 +272,9 @@ class DotProductAttention(torch.nn.Module):
             shared_cu_seqlens=thd and inp.packed_q.cu_seqlens is inp.packed_kv.cu_seqlens and inp.packed_q.offsets is inp.packed_kv.offsets,
             has_padding_mask=inp.q_valid is not None or inp.kv_valid is not None,
             is_training=self.training,
-            requires_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+            requires_grad=torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, inp.softmax_offset)),
+            softmax_type=self.softmax_type,
+            return_max_logit=self.return_max_logit,
         )
 
 
@@ -282,6 +292,30 @@ def _reject_per_seq(per_seq, is_causal, what: str) -> None:
     if per_seq is not None or is_causal is not None:
         name = "attn_mask_type_per_seq" if per_seq is not None else "thd_sequence_is_causal"
         raise NotImplementedError(f"{name} needs qkv_format='thd' (per-sequence policies are a packed-batch feature); got {what}")
+
+
+def _add_softmax_offset(module: torch.nn.Module, softmax_type: str, heads: int, get_rng_state_tracker) -> None:
+    """TE's ``softmax_offset``: the per-head sink logit [H] (float32). Learnable: a parameter
+    drawn from N(0, 0.023) (TE's default init, inside the RNG tracker's fork when one is given);
+    off-by-one: zeros, a non-persistent buffer (it follows .to() and stays out of the state dict,
+    as TE's plain tensor does); vanilla: None."""
+    # ``heads`` is this module's head count (under tensor parallelism: its partition's).
+    if softmax_type == "learnable":
+        module.softmax_offset = torch.nn.Parameter(torch.empty(heads, dtype=torch.float32))
+        fork = get_rng_state_tracker().fork() if get_rng_state_tracker is not None else contextlib.nullcontext()
+        with fork, torch.no_grad():
+            torch.nn.init.normal_(module.softmax_offset, mean=0.0, std=0.023)
+    elif softmax_type == "off-by-one":
+        module.register_buffer("softmax_offset", torch.zeros(heads, dtype=torch.float32), persistent=False)
+    else:
+        module.softmax_offset = None
+
+
+def _with_softmax(module, inp: AttentionInputs) -> AttentionInputs:
+    """The module's softmax variant onto a call's inputs (both the full and the fast path)."""
+    inp.softmax_type, inp.softmax_offset = module.softmax_type, module.softmax_offset
+    inp.return_max_logit = module.return_max_logit
+    return inp
 
 
 def _reject_parallelism(tp_size, tp_group, cp_group) -> int:

@@ -51,7 +51,10 @@ def fa4_fwd(
     causal: bool,
     window_left: int,
     window_right: int,
+    learnable_sink: Optional[torch.Tensor] = None,
 ) -> None:
+    """``learnable_sink`` [H] float32: one extra logit per head in each softmax denominator
+    (after scaling), with no value; None for the vanilla softmax."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
     varlen = cu_seqlens_q is not None
@@ -69,6 +72,7 @@ def fa4_fwd(
         causal=causal,
         window_size_left=_opt(window_left),
         window_size_right=_opt(window_right),
+        **({} if learnable_sink is None else {"learnable_sink": learnable_sink}),
         return_lse=lse is not None,
         out=out,
         lse=lse,
@@ -104,11 +108,15 @@ def fa4_bwd(
     window_left: int,
     window_right: int,
     deterministic: bool,
+    learnable_sink: Optional[torch.Tensor] = None,
+    dsink: Optional[torch.Tensor] = None,
 ) -> None:
+    """With ``learnable_sink`` (the forward's), this call's sink gradient is ADDED to ``dsink``
+    (calls for several mask policies each reduce over their own rows)."""
     from flash_attn.cute.interface import _flash_attn_bwd
 
     varlen = cu_seqlens_q is not None
-    _flash_attn_bwd(
+    grads = _flash_attn_bwd(
         q,
         k,
         v,
@@ -130,10 +138,14 @@ def fa4_bwd(
         dq=dq,
         dk=dk,
         dv=dv,
+        # Only when given: FA4 releases before the sink backward lack the argument.
+        **({} if learnable_sink is None else {"learnable_sink": learnable_sink}),
     )
+    if dsink is not None:
+        dsink.add_(grads[3])
 
 
-_OPS["fa4_bwd"] = torch.library.custom_op(f"{LIB}::fa4_bwd", fa4_bwd, mutates_args=("dq", "dk", "dv"))
+_OPS["fa4_bwd"] = torch.library.custom_op(f"{LIB}::fa4_bwd", fa4_bwd, mutates_args=("dq", "dk", "dv", "dsink"))
 
 
 @_OPS["fa4_bwd"].register_fake

@@ -54,6 +54,10 @@ class AttentionParams:
     requires_grad: bool = True
     fp8: bool = False
     context_parallel: bool = False
+    # "vanilla", "off-by-one" or "learnable" (see DotProductAttention), and whether the call
+    # returns TE's per-head max logit.
+    softmax_type: str = "vanilla"
+    return_max_logit: bool = False
 
     @property
     def mask_specs(self) -> Tuple[MaskSpec, ...]:
@@ -117,6 +121,13 @@ class AttentionInputs:
     bias_type: str = "no_bias"
     bias: Optional[torch.Tensor] = None
     alibi_slopes: Optional[torch.Tensor] = None
+    # Softmax variant: ``softmax_offset`` is the per-head sink logit [H] (zeros for
+    # "off-by-one", the learnable parameter for "learnable", None for "vanilla").
+    softmax_type: str = "vanilla"
+    softmax_offset: Optional[torch.Tensor] = None
+    return_max_logit: bool = False
+    # Set by the backend when ``return_max_logit``: [H], max of the scaled, biased, masked scores.
+    max_logit: Optional[torch.Tensor] = None
     extras: dict = field(default_factory=dict)
 
     @property

@@ -26,6 +26,7 @@ PACKAGES = {
     "cudnn_frontend": "nvidia-cudnn-frontend",
 }
 NON_ARBITRARY_MASKS = frozenset(m for m in AttnMaskType if m is not AttnMaskType.ARBITRARY)
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,8 @@ class BackendSupport:
     SUPPORTS_TOP_LEFT_CROSS: ClassVar[bool] = True
     SUPPORTS_DENSE_PADDING: ClassVar[bool] = True
     SUPPORTS_DIFFERENT_HEAD_DIM_V: ClassVar[bool] = True
+    SUPPORTED_SOFTMAX_TYPES: ClassVar[FrozenSet[str]] = frozenset({"vanilla"})
+    SUPPORTS_RETURN_MAX_LOGIT: ClassVar[bool] = False
     NOTES: ClassVar[dict] = {}
 
     @classmethod
@@ -164,6 +167,10 @@ class BackendSupport:
             out.append(Reason("pad_between_seqs", "True", "False"))
         if params.per_seq_policies is not None and not cls.SUPPORTS_PER_SEQ_POLICY:
             out.append(Reason("attn_mask_type_per_seq", "given", "None"))
+        if params.softmax_type not in cls.SUPPORTED_SOFTMAX_TYPES:
+            out.append(Reason("softmax_type", repr(params.softmax_type), _fmt(cls.SUPPORTED_SOFTMAX_TYPES)))
+        if params.return_max_logit and not cls.SUPPORTS_RETURN_MAX_LOGIT:
+            out.append(Reason("return_max_logit", "True", "False"))
         if params.fp8:
             out.append(Reason("fp8", "True", "False (FP8 attention is not implemented)"))
         if params.context_parallel:
@@ -197,6 +204,8 @@ class BackendSupport:
             "bias": _fmt(cls.SUPPORTED_BIAS_TYPES),
             "pad_between_seqs": yes(cls.SUPPORTS_PAD_BETWEEN_SEQS),
             "per-seq policy": yes(cls.SUPPORTS_PER_SEQ_POLICY),
+            "softmax_type": ", ".join(t for t in SOFTMAX_TYPES if t in cls.SUPPORTED_SOFTMAX_TYPES),
+            "return_max_logit": yes(cls.SUPPORTS_RETURN_MAX_LOGIT),
         }
 
 

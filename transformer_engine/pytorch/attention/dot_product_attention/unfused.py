@@ -8,40 +8,74 @@ Equivalent, per sequence and head (``allowed`` from :mod:`.masks`, rows with no 
 give 0)::
 
     scores = q @ k.T * scale (+ bias)            # [SQ, SKV]
-    probs  = softmax(scores where allowed else -inf)
+    probs  = softmax(scores where allowed else -inf)        # vanilla
+           = exp(scores) / (exp(sink) + sum(exp(scores)))   # off-by-one (sink = 0), learnable
     out    = dropout(probs) @ v
+    max_logit[h] = max over batch, queries and allowed keys of scores   # return_max_logit
+
+Memory: queries are processed in chunks whose score matrix holds at most
+``NVTE_UNFUSED_ATTN_MAX_SCORES`` elements (default 2**26, 256 MB in float32). With more than
+one chunk and gradients on, each chunk runs under ``torch.utils.checkpoint``: autograd keeps only
+q, k, v (and the outputs), and the backward recomputes one chunk's scores at a time. One chunk
+(small problems) runs exactly the unchunked math.
 
 THD runs two ways with the same math. On the CPU, where reading offsets costs nothing, it loops
-over sequences, so memory follows sum(s_i^2) and padded rows are never read. On a GPU it
-gathers sequences into a [B, max_s] batch with device-side indices: no host sync, CUDA-graph
-safe, at the cost of B * max_s^2 memory (it is the fallback there, not the fast path).
+over sequences, so memory follows the real lengths and padded rows are never read. On a GPU it
+gathers sequences into a [B, S] batch with device-side indices: no host sync, CUDA-graph safe.
+S is the declared max_seqlen capped by the packed tensor's row count (no sequence is longer
+than the tensor holding it), so a huge declared max_seqlen with few tokens stays small.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
+from .environment import Switch
 from .masks import band_allowed
 from .params import AttentionInputs
 from .thd import PackedSeqs
 
 IntOrTensor = Union[int, torch.Tensor]
+# (first query row, end row) -> (allowed [B'|1, H'|1, rows, SKV] bool or None, bias or None)
+RowMasks = Callable[[int, int], Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]
+
+MAX_SCORES = Switch("NVTE_UNFUSED_ATTN_MAX_SCORES")
+DEFAULT_MAX_SCORES = 1 << 26
 
 
 def unfused_attention(inp: AttentionInputs, training: bool) -> torch.Tensor:
-    """Run attention; returns [B, SQ, H, Dv] (dense) or [T, H, Dv] (THD)."""
+    """Run attention; returns [B, SQ, H, Dv] (dense) or [T, H, Dv] (THD). With
+    ``inp.return_max_logit`` it also sets ``inp.max_logit`` ([H], float32/float64)."""
     if not inp.is_thd:
-        return _dense(inp, training)
-    # Under torch.compile the gathered path traces (the per-sequence loop reads offsets).
-    per_sequence = inp.q.device.type == "cpu" and not torch.compiler.is_compiling()
-    if per_sequence and os.getenv("NVTE_UNFUSED_THD_GATHER", "0") != "1":
-        return _thd_per_sequence(inp, training)
-    return _thd_gathered(inp, training)
+        out, max_logit = _dense(inp, training)
+    else:
+        # Under torch.compile the gathered path traces (the per-sequence loop reads offsets).
+        per_sequence = inp.q.device.type == "cpu" and not torch.compiler.is_compiling()
+        if per_sequence and os.getenv("NVTE_UNFUSED_THD_GATHER", "0") != "1":
+            out, max_logit = _thd_per_sequence(inp, training)
+        else:
+            out, max_logit = _thd_gathered(inp, training)
+    if inp.return_max_logit:
+        inp.max_logit = max_logit
+    return out
+
+
+def max_scores_per_chunk() -> int:
+    """The score-matrix budget of one chunk, in elements (``NVTE_UNFUSED_ATTN_MAX_SCORES``)."""
+    raw = MAX_SCORES.get(str(DEFAULT_MAX_SCORES))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"NVTE_UNFUSED_ATTN_MAX_SCORES must be a positive int (score elements per chunk); got {raw!r}")
+    return value
 
 
 def default_alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -55,23 +89,52 @@ def default_alibi_slopes(num_heads: int) -> torch.Tensor:
 
 
 def _core(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    allowed: Optional[torch.Tensor],
-    inp: AttentionInputs,
-    bias: Optional[torch.Tensor],
-    training: bool,
-) -> torch.Tensor:
-    """q [B, H, SQ, D], k/v [B, HG, SKV, D]; ``allowed``/``bias`` broadcast to [B|1, H|1, SQ, SKV].
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inp: AttentionInputs, training: bool, masks: RowMasks
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """q [B, H, SQ, D], k/v [B, HG, SKV, D] -> (out [B, H, SQ, Dv], max logit [H] or None).
 
-    GQA groups query heads over their shared key head instead of copying K/V. Half inputs are
-    computed in float32: this is the reference, accuracy first.
+    ``masks(r0, r1)`` gives the allowed pairs and the bias of query rows [r0, r1), built per
+    chunk so that no [SQ, SKV]-sized mask or bias exists either.
     """
+    b, h, sq, _ = q.shape
+    step = max(1, max_scores_per_chunk() // max(1, b * h * k.shape[2]))
+    sink = _sink(inp, h)
+    if step >= sq:
+        return _attend(q, k, v, inp, training, masks, sink, 0, sq)
+    recompute = torch.is_grad_enabled()
+    # The RNG state is restored for the recomputation only when dropout draws from it.
+    keep_rng = inp.dropout_p > 0.0 and training
+    outs, maxes = [], []
+    for r0 in range(0, sq, step):
+        args = (q, k, v, inp, training, masks, sink, r0, min(r0 + step, sq))
+        if recompute:
+            out, mx = torch.utils.checkpoint.checkpoint(_attend, *args, use_reentrant=False, preserve_rng_state=keep_rng)
+        else:
+            out, mx = _attend(*args)
+        outs.append(out)
+        maxes.append(mx)
+    max_logit = torch.stack(maxes).amax(dim=0) if inp.return_max_logit else None
+    return torch.cat(outs, dim=2), max_logit
+
+
+def _sink(inp: AttentionInputs, h: int) -> Optional[torch.Tensor]:
+    """The per-head sink logit [H] (0 for off-by-one), or None for the vanilla softmax."""
+    if inp.softmax_type == "vanilla":
+        return None
+    if inp.softmax_offset is None:
+        raise ValueError(f"softmax_type={inp.softmax_type!r} needs the per-head softmax_offset; got None")
+    return inp.softmax_offset.reshape(h)
+
+
+def _attend(q, k, v, inp: AttentionInputs, training: bool, masks: RowMasks, sink, r0: int, r1: int):
+    """Query rows [r0, r1) of :func:`_core`. Half inputs are computed in float32: this is the
+    reference, accuracy first. GQA groups query heads over their shared key head instead of
+    copying K/V."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    b, h, sq, d = q.shape
-    hg = k.shape[1]
-    qf = q.to(dtype).reshape(b, hg, h // hg, sq, d)
+    b, h, _, d = q.shape
+    hg, rows = k.shape[1], r1 - r0
+    allowed, bias = masks(r0, r1)
+    qf = q[:, :, r0:r1].to(dtype).reshape(b, hg, h // hg, rows, d)
     kf, vf = k.to(dtype).unsqueeze(2), v.to(dtype).unsqueeze(2)
     scores = qf @ kf.transpose(-1, -2)
     if bias is not None and inp.bias_type == "pre_scale_bias":
@@ -83,14 +146,30 @@ def _core(
     if allowed is not None:
         allowed = _group_heads(allowed, hg)
         scores = scores.masked_fill(~allowed, torch.finfo(dtype).min)
-    probs = torch.softmax(scores, dim=-1)
-    if allowed is not None:
-        # A row with no allowed key softmaxes to uniform over "min": zero it, like the kernels.
-        probs = probs.masked_fill(~allowed, 0.0)
+    # TE's max logit: scaled, biased, masked scores, before the sink joins; no gradient.
+    max_logit = _max_logit(scores.detach(), h) if inp.return_max_logit else None
+    if sink is None:
+        probs = torch.softmax(scores, dim=-1)
+        if allowed is not None:
+            # A row with no allowed key softmaxes to uniform over "min": zero it, like the kernels.
+            probs = probs.masked_fill(~allowed, 0.0)
+    else:
+        # The sink is one more logit in the denominator with no value: a row with no allowed
+        # key puts all its weight there and comes out 0, with no special case.
+        lse = torch.logaddexp(torch.logsumexp(scores, dim=-1, keepdim=True), sink.to(dtype).view(1, hg, h // hg, 1, 1))
+        probs = torch.exp(scores - lse)
     if inp.dropout_p > 0.0:
         probs = F.dropout(probs, p=inp.dropout_p, training=training)
     out = probs @ vf
-    return out.reshape(b, h, sq, v.shape[-1]).to(q.dtype)
+    return out.reshape(b, h, rows, v.shape[-1]).to(q.dtype), max_logit
+
+
+def _max_logit(scores: torch.Tensor, h: int) -> torch.Tensor:
+    """[B, HG, G, R, SKV] -> [H]; the dtype's lowest value where nothing was scored (no keys),
+    as for a fully masked head."""
+    if scores.numel() == 0:
+        return torch.full((h,), torch.finfo(scores.dtype).min, dtype=scores.dtype, device=scores.device)
+    return scores.amax(dim=(0, 3, 4)).reshape(h)
 
 
 def _group_heads(t: torch.Tensor, hg: int) -> torch.Tensor:
@@ -101,51 +180,62 @@ def _group_heads(t: torch.Tensor, hg: int) -> torch.Tensor:
 
 
 def _band(
-    spec_left: IntOrTensor, spec_right: IntOrTensor, shift: IntOrTensor, sq: int, skv: int, device
+    spec_left: IntOrTensor, spec_right: IntOrTensor, shift: IntOrTensor, r0: int, r1: int, skv: int, device
 ) -> torch.Tensor:
-    """[.., SQ, SKV] bool from per-batch (or scalar) band bounds shaped [B, 1, 1, 1]."""
-    qi = torch.arange(sq, device=device).view(sq, 1)
+    """[.., R, SKV] bool for query rows [r0, r1) from per-batch (or scalar) band bounds shaped
+    [B, 1, 1, 1]."""
+    qi = torch.arange(r0, r1, device=device).view(r1 - r0, 1)
     kj = torch.arange(skv, device=device).view(1, skv)
     return band_allowed(qi, kj, shift, spec_left, spec_right)
 
 
 def _alibi_bias(
-    slopes: Optional[torch.Tensor], h: int, sq: int, skv: int, shift: IntOrTensor, device
+    slopes: Optional[torch.Tensor], h: int, r0: int, r1: int, skv: int, shift: IntOrTensor, device
 ) -> torch.Tensor:
-    """-slope * |j - i - shift| with the bottom-right shift (skv - sq per sequence)."""
+    """-slope * |j - i - shift| for query rows [r0, r1), with the bottom-right shift (skv - sq
+    per sequence)."""
     if slopes is None:
         slopes = default_alibi_slopes(h)
-    slopes = slopes.to(device=device, dtype=torch.float64)  # exact positions; _core casts
+    slopes = slopes.to(device=device, dtype=torch.float64)  # exact positions; _attend casts
     slopes = slopes.view(-1, h, 1, 1) if slopes.dim() == 2 else slopes.view(1, h, 1, 1)
-    qi = torch.arange(sq, device=device).view(sq, 1)
+    qi = torch.arange(r0, r1, device=device).view(r1 - r0, 1)
     kj = torch.arange(skv, device=device).view(1, skv)
     return -slopes * (kj - qi - shift).abs().to(torch.float64)
+
+
+def _rows_of(t: Optional[torch.Tensor], r0: int, r1: int) -> Optional[torch.Tensor]:
+    """Rows [r0, r1) of a [.., SQ|1, SKV] tensor (a broadcast row dim stays as it is)."""
+    if t is None or t.shape[-2] == 1:
+        return t
+    return t[..., r0:r1, :]
 
 
 # ---------------------------------------------------------------------------- dense (bshd)
 
 
-def _dense(inp: AttentionInputs, training: bool) -> torch.Tensor:
+def _dense(inp: AttentionInputs, training: bool):
     q, k, v = (t.transpose(1, 2) for t in (inp.q, inp.k, inp.v))
     b, h, sq, _ = q.shape
     skv = k.shape[2]
-    len_q = _lengths(inp.q_valid, b, sq, q.device)
-    len_kv = _lengths(inp.kv_valid, b, skv, q.device)
-    shift = len_kv - len_q
-    allowed = None
-    if inp.mask.has_band:
-        band_shift = shift if inp.mask.mask_type.bottom_right else 0
-        allowed = _band(inp.mask.left, inp.mask.right, band_shift, sq, skv, q.device)
-    allowed = _and(allowed, None if inp.kv_valid is None else inp.kv_valid[:, None, None, :])
-    allowed = _and(allowed, None if inp.q_valid is None else inp.q_valid[:, None, :, None])
-    allowed = _and(allowed, None if inp.arbitrary_mask is None else ~inp.arbitrary_mask)
-    if allowed is not None and allowed.dim() == 2:
-        allowed = allowed.view(1, 1, sq, skv)
-    bias = inp.bias
-    if inp.bias_type == "alibi":
-        bias = _alibi_bias(inp.alibi_slopes, h, sq, skv, shift, q.device)
-    out = _core(q, k, v, allowed, inp, bias, training)
-    return out.transpose(1, 2)
+    shift = _lengths(inp.kv_valid, b, skv, q.device) - _lengths(inp.q_valid, b, sq, q.device)
+    band_shift = shift if inp.mask.mask_type.bottom_right else 0
+
+    def masks(r0: int, r1: int):
+        allowed = None
+        if inp.mask.has_band:
+            allowed = _band(inp.mask.left, inp.mask.right, band_shift, r0, r1, skv, q.device)
+        allowed = _and(allowed, None if inp.kv_valid is None else inp.kv_valid[:, None, None, :])
+        allowed = _and(allowed, None if inp.q_valid is None else inp.q_valid[:, None, r0:r1, None])
+        allowed = _and(allowed, None if inp.arbitrary_mask is None else ~_rows_of(inp.arbitrary_mask, r0, r1))
+        if allowed is not None and allowed.dim() == 2:
+            allowed = allowed.view(1, 1, r1 - r0, skv)
+        bias = _rows_of(inp.bias, r0, r1)
+        if inp.bias_type == "alibi":
+            bias = _alibi_bias(inp.alibi_slopes, h, r0, r1, skv, shift, q.device)
+        return allowed, bias
+
+    out, max_logit = _core(q, k, v, inp, training, masks)
+    return out.transpose(1, 2), max_logit
 
 
 def _lengths(valid: Optional[torch.Tensor], b: int, s: int, device) -> torch.Tensor:
@@ -178,10 +268,16 @@ def _seq_bands(inp: AttentionInputs, device) -> Tuple[torch.Tensor, torch.Tensor
     return rows[:, 0], rows[:, 1], rows[:, 2].bool(), rows[:, 3].bool()
 
 
-def _thd_gathered(inp: AttentionInputs, training: bool) -> torch.Tensor:
-    """Sync-free THD: gather each sequence into a [B, max_s] slot, attend, scatter back."""
+def gathered_slot_length(p: PackedSeqs) -> int:
+    """Slot length of the gathered path: the declared max_seqlen, capped by the tensor's rows
+    (a sequence cannot be longer than the tensor that holds it; a host fact, no sync)."""
+    return max(min(p.max_seqlen, p.total_tokens), 1)
+
+
+def _thd_gathered(inp: AttentionInputs, training: bool):
+    """Sync-free THD: gather each sequence into a [B, S] slot, attend, scatter back."""
     pq, pk = inp.packed_q, inp.packed_kv
-    b, sq, skv = pq.batch_size, max(pq.max_seqlen, 1), max(pk.max_seqlen, 1)
+    b, sq, skv = pq.batch_size, gathered_slot_length(pq), gathered_slot_length(pk)
     q_rows, q_ok = _slot_rows(pq, sq)
     kv_rows, kv_ok = _slot_rows(pk, skv)
     q, k, v = (_gather(t, rows, ok) for t, rows, ok in ((inp.q, q_rows, q_ok), (inp.k, kv_rows, kv_ok), (inp.v, kv_rows, kv_ok)))
@@ -189,18 +285,23 @@ def _thd_gathered(inp: AttentionInputs, training: bool) -> torch.Tensor:
     len_kv = pk.seqlens().long().view(b, 1, 1, 1)
     left, right, br, _ = (x.view(b, 1, 1, 1) for x in _seq_bands(inp, q.device))
     shift = len_kv - len_q
-    allowed = _band(left, right, torch.where(br, shift, 0), sq, skv, q.device)
-    allowed = allowed & q_ok[:, None, :, None] & kv_ok[:, None, None, :]
-    bias = None
-    if inp.bias_type == "alibi":
-        bias = _alibi_bias(inp.alibi_slopes, q.shape[1], sq, skv, shift, q.device)
-    out = _core(q, k, v, allowed, inp, bias, training)  # [B, H, SQ, Dv]
+    band_shift = torch.where(br, shift, 0)
+
+    def masks(r0: int, r1: int):
+        allowed = _band(left, right, band_shift, r0, r1, skv, q.device)
+        allowed = allowed & q_ok[:, None, r0:r1, None] & kv_ok[:, None, None, :]
+        bias = None
+        if inp.bias_type == "alibi":
+            bias = _alibi_bias(inp.alibi_slopes, q.shape[1], r0, r1, skv, shift, q.device)
+        return allowed, bias
+
+    out, max_logit = _core(q, k, v, inp, training, masks)  # [B, H, SQ, Dv]
     out = out.transpose(1, 2).reshape(b * sq, *out.shape[1:2], out.shape[-1])
     # Invalid slots write to a dummy row past the end, dropped afterwards: no boolean indexing.
     total = pq.total_tokens
     dest = torch.where(q_ok.flatten(), q_rows.flatten(), total)
     full = out.new_zeros(total + 1, *out.shape[1:]).index_copy(0, dest, out)
-    return full[:total]
+    return full[:total], max_logit
 
 
 def _slot_rows(p: PackedSeqs, s: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -219,14 +320,14 @@ def _gather(t: torch.Tensor, rows: torch.Tensor, ok: torch.Tensor) -> torch.Tens
     return g.transpose(1, 2)
 
 
-def _thd_per_sequence(inp: AttentionInputs, training: bool) -> torch.Tensor:
+def _thd_per_sequence(inp: AttentionInputs, training: bool):
     """CPU THD: a loop over sequences; reading offsets is free on the host."""
     pq, pk = inp.packed_q, inp.packed_kv
     q_start, q_len = pq.offsets.tolist(), pq.seqlens().tolist()
     kv_start, kv_len = pk.offsets.tolist(), pk.seqlens().tolist()
     left, right, br, _ = (x.tolist() for x in _seq_bands(inp, inp.q.device))
     h, dv = inp.q.shape[1], inp.v.shape[-1]
-    pieces, cursor = [], 0
+    pieces, maxes, cursor = [], [], 0
     for i in range(pq.batch_size):
         n, m = q_len[i], kv_len[i]
         if q_start[i] > cursor:
@@ -237,18 +338,36 @@ def _thd_per_sequence(inp: AttentionInputs, training: bool) -> torch.Tensor:
         q = inp.q[q_start[i] : cursor].transpose(0, 1).unsqueeze(0)
         k = inp.k[kv_start[i] : kv_start[i] + m].transpose(0, 1).unsqueeze(0)
         v = inp.v[kv_start[i] : kv_start[i] + m].transpose(0, 1).unsqueeze(0)
-        shift = m - n
-        allowed = _band(left[i], right[i], shift if br[i] else 0, n, m, q.device).view(1, 1, n, m)
-        bias = None
-        if inp.bias_type == "alibi":
-            slopes = inp.alibi_slopes
-            if slopes is not None and slopes.dim() == 2:
-                slopes = slopes[i : i + 1]
-            bias = _alibi_bias(slopes, h, n, m, shift, q.device)
-        pieces.append(_core(q, k, v, allowed, inp, bias, training)[0].transpose(0, 1))
+        out, mx = _core(q, k, v, inp, training, _sequence_masks(inp, i, left[i], right[i], m - n, br[i], m, h, q.device))
+        pieces.append(out[0].transpose(0, 1))
+        maxes.append(mx)
     if pq.total_tokens > cursor:
         pieces.append(inp.q.new_zeros(pq.total_tokens - cursor, h, dv))
     # Empty slices sum to exactly 0 yet tie q, k and v to the output, so their gradients are
     # zero tensors (not None) even when no sequence reads them.
     anchor = sum(t[:0].sum() for t in (inp.q, inp.k, inp.v))
-    return torch.cat(pieces, dim=0) + anchor if pieces else inp.q.new_zeros(0, h, dv) + anchor
+    out = torch.cat(pieces, dim=0) + anchor if pieces else inp.q.new_zeros(0, h, dv) + anchor
+    return out, _max_over_sequences(maxes, inp, h) if inp.return_max_logit else None
+
+
+def _sequence_masks(inp: AttentionInputs, i: int, left: int, right: int, shift: int, bottom_right: bool, m: int, h: int,
+                    device) -> RowMasks:
+    slopes = inp.alibi_slopes
+    if slopes is not None and slopes.dim() == 2:
+        slopes = slopes[i : i + 1]
+
+    def masks(r0: int, r1: int):
+        allowed = _band(left, right, shift if bottom_right else 0, r0, r1, m, device).view(1, 1, r1 - r0, m)
+        bias = _alibi_bias(slopes, h, r0, r1, m, shift, device) if inp.bias_type == "alibi" else None
+        return allowed, bias
+
+    return masks
+
+
+def _max_over_sequences(maxes, inp: AttentionInputs, h: int) -> torch.Tensor:
+    """The max logit over every sequence; no sequence at all gives the dtype's lowest value
+    (what a fully masked head gives: nothing was allowed)."""
+    if maxes:
+        return torch.stack(maxes).amax(dim=0)
+    dtype = torch.float64 if inp.q.dtype == torch.float64 else torch.float32
+    return torch.full((h,), torch.finfo(dtype).min, dtype=dtype, device=inp.q.device)

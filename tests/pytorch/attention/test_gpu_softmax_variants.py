@@ -1,0 +1,81 @@
+"""Attention sinks on the GPU: FlashAttention v4 (flash-attn-4's learnable_sink, forward and
+backward) against the unfused backend, bf16, dense and THD (gaps, GQA, per-sequence policies),
+outputs and dQ/dK/dV and the sink's gradient. Skipped without CUDA; a backend that cannot run
+a case skips with its reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transformer_engine.pytorch import DotProductAttention
+
+from .gpu_helpers import rel_err, run_on
+from .packing import make_thd
+
+pytestmark = pytest.mark.gpu
+H, D = 4, 128
+TOL = 2e-2
+LENGTHS = [100, 300, 37, 511, 1]
+GAPS = [12, 0, 27, 1, 64]
+
+
+def _module(softmax_type, hg, fmt, mask):
+    dpa = DotProductAttention(H, D, num_gqa_groups=hg, qkv_format=fmt, attn_mask_type=mask, softmax_type=softmax_type).cuda()
+    if softmax_type == "learnable":
+        with torch.no_grad():  # logits in the range of the scores, so the sink matters
+            dpa.softmax_offset.copy_(torch.tensor([1.5, -0.5, 3.0, 0.0], device="cuda"))
+    return dpa
+
+
+def _compare(label, dpa, inputs, kwargs, valid_rows=None):
+    leaves = list(inputs) + ([dpa.softmax_offset] if dpa.softmax_type == "learnable" else [])
+    out = run_on(label, dpa, *inputs, **kwargs)
+    assert dpa.last_selection.label == label
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves, g)
+    ref_in = [t.detach().clone().requires_grad_() for t in inputs]
+    ref = run_on("unfused", dpa, *ref_in, **kwargs)
+    want = torch.autograd.grad(ref, ref_in + leaves[3:], g)
+    assert rel_err(out, ref) < TOL, f"out: {rel_err(out, ref):.2e}"
+    for name, a, b in zip(["dq", "dk", "dv", "dsink"], got, want):
+        assert torch.isfinite(a).all(), f"{name} has non-finite values"
+        assert rel_err(a, b) < 4 * TOL, f"{name}: {rel_err(a, b):.2e}"
+    if valid_rows is not None:
+        assert torch.all(out.view(out.shape[0], -1)[~valid_rows[0]] == 0)
+
+
+@pytest.mark.parametrize("softmax_type", ["learnable", "off-by-one"])
+@pytest.mark.parametrize("mask,hg,gaps,policies", [
+    ("padding_causal", 4, False, False),
+    ("padding", 2, True, False),
+    ("padding_causal", 1, True, False),
+    ("padding_causal", 4, True, True),
+])
+def test_fa4_thd_sinks(softmax_type, mask, hg, gaps, policies):
+    p = make_thd(LENGTHS, gaps_q=GAPS if gaps else None, h=H, hg=hg, d=D, dtype=torch.bfloat16, device="cuda", tail=5)
+    dpa = _module(softmax_type, hg, "thd", mask)
+    kwargs = p.kwargs(gaps, max(LENGTHS), max(LENGTHS), shared=True)
+    if policies:
+        kwargs["thd_sequence_is_causal"] = torch.tensor([True, False, True, False, True], device="cuda")
+    if not gaps:
+        for t in (p.q, p.k, p.v):
+            t.data[~p.valid_q] = 7.0
+    _compare("FlashAttention v4", dpa, [p.q, p.k, p.v], kwargs, (p.valid_q, p.valid_kv))
+
+
+@pytest.mark.parametrize("softmax_type", ["learnable", "off-by-one"])
+@pytest.mark.parametrize("mask,sq,skv", [("no_mask", 256, 256), ("causal_bottom_right", 128, 384)])
+def test_fa4_dense_sinks(softmax_type, mask, sq, skv):
+    inputs = [torch.randn(2, s, h, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s, h in ((sq, H), (skv, 2), (skv, 2))]
+    _compare("FlashAttention v4", _module(softmax_type, 2, "bshd", mask), inputs, {})
+
+
+def test_return_max_logit_runs_on_the_unfused_backend_on_cuda():
+    q = torch.randn(2, 64, H, D, device="cuda", dtype=torch.bfloat16)
+    dpa = DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="causal", return_max_logit=True)
+    out, max_logit = dpa(q, q, q)
+    assert dpa.last_selection.label == "UnfusedDotProductAttention"
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), q.float()) / D ** 0.5
+    scores = scores.masked_fill(~torch.ones(64, 64, dtype=torch.bool, device="cuda").tril(), float("-inf"))
+    assert torch.allclose(max_logit, scores.amax(dim=(0, 2, 3)), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,414 @@
+"""softmax_type ("vanilla", "off-by-one", "learnable") and return_max_logit on the unfused
+backend against an independent float64 reference (outputs and gradients, the sink's included),
+dense and THD (per-sequence loop and the gathered path, with gaps and GQA); the FA4 wiring on
+the CPU with the kernel emulated; the declarations and errors."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from transformer_engine.pytorch import DotProductAttention
+from transformer_engine.pytorch.attention.dot_product_attention import AttentionParams, get_attention_backend
+from transformer_engine.pytorch.attention.dot_product_attention import backends
+from transformer_engine.pytorch.attention.dot_product_attention.libraries import InstalledLibraries
+from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType
+
+from .gpu_helpers import env
+from .packing import make_thd
+from .reference import allowed_matrix
+
+H, HG, D = 4, 2, 8
+SINK = torch.tensor([0.7, -1.3, 2.0, 0.1], dtype=torch.float64)
+
+
+# ------------------------------------------------------------------------- the reference
+
+
+def sink_attend(q, k, v, allowed, scale, sink):
+    """q [sq, h, d], k/v [skv, hg, d] float64 -> [sq, h, dv]. ``sink`` [h] or None (vanilla).
+
+    TE's definition, literally: the sink is one more column of the score matrix, with no value
+    vector; masked scores are -inf; a row with nothing to attend gives 0."""
+    sq, h, _ = q.shape
+    hg = k.shape[1]
+    rows = []
+    for head in range(h):
+        kh = head // (h // hg)
+        scores = (q[:, head] @ k[:, kh].T * scale).masked_fill(~allowed, -math.inf)
+        if sink is None:
+            probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+        else:
+            column = sink[head].expand(sq, 1)
+            probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[:, :-1]
+        rows.append(probs @ v[:, kh])
+    return torch.stack(rows, dim=1)
+
+
+def max_logit_one(q, k, allowed, scale):
+    """[h]: max of the scaled scores over allowed pairs (-inf if none)."""
+    h, hg = q.shape[1], k.shape[1]
+    out = []
+    for head in range(h):
+        scores = q[:, head] @ k[:, head // (h // hg)].T * scale
+        out.append(scores.masked_fill(~allowed, -math.inf).max() if allowed.numel() else torch.tensor(-math.inf))
+    return torch.stack(out)
+
+
+def reference_thd(p, lengths_q, lengths_kv, mask, scale, sink):
+    out = torch.zeros(p.q.shape[0], p.q.shape[1], p.v.shape[-1], dtype=torch.float64)
+    maxes = []
+    for i, (n, m) in enumerate(zip(lengths_q, lengths_kv)):
+        a, c = int(p.off_q[i]), int(p.off_kv[i])
+        allowed = allowed_matrix(n, m, mask)
+        if n:
+            out[a : a + n] = sink_attend(p.q[a : a + n], p.k[c : c + m], p.v[c : c + m], allowed, scale, sink)
+            maxes.append(max_logit_one(p.q[a : a + n], p.k[c : c + m], allowed, scale))
+    return out, torch.stack(maxes).amax(dim=0)
+
+
+def _dpa(softmax_type, fmt="thd", mask="padding_causal", **kw):
+    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format=fmt, attn_mask_type=mask, softmax_type=softmax_type, **kw)
+    dpa = dpa.double()
+    if softmax_type == "learnable":
+        with torch.no_grad():
+            dpa.softmax_offset.copy_(SINK)
+    return dpa
+
+
+def _leaf_sink(softmax_type):
+    if softmax_type == "vanilla":
+        return None
+    if softmax_type == "off-by-one":
+        return torch.zeros(H, dtype=torch.float64)
+    return SINK.clone().requires_grad_()
+
+
+def _grads(out, leaves, g):
+    valid = [t for t in leaves if t is not None and t.requires_grad]
+    return torch.autograd.grad(out, valid, g, allow_unused=False)
+
+
+def _close(a, b, tol=1e-10):
+    a, b = torch.nan_to_num(a.detach(), nan=0.0), torch.nan_to_num(b.detach(), nan=0.0)
+    assert (a - b).abs().max() <= tol, f"max abs err {(a - b).abs().max():.3e}"
+
+
+# ------------------------------------------------------------------------- unfused: THD
+
+# Sequence 2 has no keys at all: its queries have nothing to attend (their rows must be 0).
+LENGTHS_Q, LENGTHS_KV = [5, 1, 3, 7], [5, 4, 0, 9]
+GAPS_Q, GAPS_KV = [2, 0, 3, 1], [1, 2, 0, 4]
+
+
+@pytest.mark.parametrize("softmax_type", ["off-by-one", "learnable", "vanilla"])
+@pytest.mark.parametrize("gather", ["0", "1"])
+@pytest.mark.parametrize("mask", ["padding_causal_bottom_right", "padding"])
+def test_thd_outputs_and_gradients_match_reference(softmax_type, gather, mask):
+    p = make_thd(LENGTHS_Q, LENGTHS_KV, gaps_q=GAPS_Q, gaps_kv=GAPS_KV, h=H, hg=HG, d=D, tail=2)
+    dpa = _dpa(softmax_type, mask=mask, return_max_logit=True)
+    kwargs = p.kwargs(True, max(LENGTHS_Q), max(LENGTHS_KV))
+    with env(NVTE_UNFUSED_THD_GATHER=gather):
+        out, max_logit = dpa(p.q, p.k, p.v, **kwargs)
+    assert dpa.last_selection.label == "UnfusedDotProductAttention"
+    sink = _leaf_sink(softmax_type)
+    leaves = [t.detach().clone().requires_grad_() for t in (p.q, p.k, p.v)]
+    ref_p = replace(p, q=leaves[0], k=leaves[1], v=leaves[2])
+    ref, ref_max = reference_thd(ref_p, LENGTHS_Q, LENGTHS_KV, mask, 1 / math.sqrt(D), sink)
+    ref = ref.view(out.shape)
+    _close(out, ref)
+    assert torch.equal(out[~p.valid_q], torch.zeros_like(out[~p.valid_q]))
+    a, b = int(p.off_q[2]), int(p.off_q[2]) + LENGTHS_Q[2]
+    assert torch.equal(out[a:b], torch.zeros_like(out[a:b])), "queries with no key must give 0"
+    _close(max_logit, ref_max)
+    g = torch.randn_like(out)
+    params = [p.q, p.k, p.v] + ([dpa.softmax_offset] if softmax_type == "learnable" else [])
+    got = torch.autograd.grad(out, params, g)
+    want = _grads(ref, leaves + [sink], g)
+    for x, y in zip(got, want):
+        _close(x, y)
+    if softmax_type == "learnable":
+        assert got[3].abs().max() > 1e-3, "the sink gradient must not vanish"
+
+
+def test_thd_sink_gradcheck():
+    """The sink parameter's gradient by finite differences (float64), gathered path."""
+    p = make_thd([3, 2], gaps_q=[1, 2], h=H, hg=HG, d=D)
+    dpa = _dpa("learnable")
+    kwargs = p.kwargs(True, 3, 3, shared=True)
+    q, k, v = (torch.nan_to_num(t.detach(), nan=0.0) for t in (p.q, p.k, p.v))
+
+    def f(sink):
+        with torch.no_grad():
+            dpa.softmax_offset.copy_(sink)
+        dpa.softmax_offset.grad = None
+        return dpa(q, k, v, **kwargs)
+
+    sink = SINK.clone()
+    out = f(sink)
+    g = torch.randn_like(out)
+    (out * g).sum().backward()
+    analytic = dpa.softmax_offset.grad.clone()
+    eps = 1e-6
+    for head in range(H):
+        bump = torch.zeros(H, dtype=torch.float64)
+        bump[head] = eps
+        with torch.no_grad(), env(NVTE_UNFUSED_THD_GATHER="1"):
+            numeric = ((f(sink + bump) * g).sum() - (f(sink - bump) * g).sum()) / (2 * eps)
+        assert abs(float(numeric) - float(analytic[head])) < 1e-6
+
+
+# ------------------------------------------------------------------------- unfused: dense
+
+
+@pytest.mark.parametrize("softmax_type", ["off-by-one", "learnable"])
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+def test_dense_padding_outputs_gradients_and_max_logit(softmax_type, fmt):
+    b, sq, skv = 3, 6, 9
+    len_q, len_kv = [6, 4, 2], [9, 5, 0]
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(b, s, h, D, generator=gen, dtype=torch.float64) for s, h in ((sq, H), (skv, HG), (skv, HG)))
+    cu = lambda ls: torch.tensor([0] + list(torch.tensor(ls).cumsum(0)), dtype=torch.int32)  # noqa: E731
+    dpa = _dpa(softmax_type, fmt=fmt, mask="padding_causal_bottom_right", return_max_logit=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    inputs = leaves if fmt == "bshd" else [t.transpose(0, 1) for t in leaves]
+    out, max_logit = dpa(*inputs, cu_seqlens_q=cu(len_q), cu_seqlens_kv=cu(len_kv))
+    out = out.view(b, sq, H, D) if fmt == "bshd" else out.view(sq, b, H, D).transpose(0, 1)
+    sink = _leaf_sink(softmax_type)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = torch.zeros(b, sq, H, D, dtype=torch.float64)
+    maxes = []
+    for i in range(b):
+        n, m = len_q[i], len_kv[i]
+        allowed = allowed_matrix(n, m, "padding_causal_bottom_right")
+        ref[i, :n] = sink_attend(ref_leaves[0][i, :n], ref_leaves[1][i, :m], ref_leaves[2][i, :m], allowed, 1 / math.sqrt(D), sink)
+        maxes.append(max_logit_one(q[i, :n], k[i, :m], allowed, 1 / math.sqrt(D)))
+    # Padded query rows are not specified by TE (the unfused backend gives 0 there): compare valid rows.
+    valid = torch.zeros(b, sq, dtype=torch.bool)
+    for i, n in enumerate(len_q):
+        valid[i, :n] = True
+    _close(out[valid], ref[valid])
+    _close(max_logit, torch.stack(maxes).amax(dim=0))
+    g = torch.randn_like(out) * valid[:, :, None, None]
+    params = leaves + ([dpa.softmax_offset] if softmax_type == "learnable" else [])
+    got = torch.autograd.grad(out, params, g)
+    want = _grads(ref, ref_leaves + [sink], g)
+    for x, y in zip(got, want):
+        _close(x, y)
+
+
+def test_max_logit_includes_the_bias_and_ignores_the_sink():
+    """TE: max over (batch, queries, keys) of mask(q k^T * scale + bias), per head, before the
+    sink joins the softmax."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 5, H, D, generator=gen, dtype=torch.float64) for _ in range(3))
+    bias = torch.randn(1, H, 5, 5, generator=gen, dtype=torch.float64)
+    dpa = DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="causal", softmax_type="learnable",
+                              return_max_logit=True).double()
+    with torch.no_grad():
+        dpa.softmax_offset.fill_(50.0)  # a sink far above every score must not show up
+    out, max_logit = dpa(q, k, v, core_attention_bias_type="post_scale_bias", core_attention_bias=bias)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D) + bias
+    scores = scores.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), -math.inf)
+    _close(max_logit, scores.amax(dim=(0, 2, 3)))
+    assert max_logit.shape == (H,) and not max_logit.requires_grad
+    assert out.shape == (2, 5, H * D)
+
+
+def test_vanilla_return_max_logit_returns_a_pair_and_vanilla_default_returns_a_tensor():
+    q = torch.randn(4, 2, H, D)
+    out = DotProductAttention(H, D)(q, q, q)
+    assert isinstance(out, torch.Tensor)
+    out, mx = DotProductAttention(H, D, return_max_logit=True)(q, q, q)
+    assert out.shape == (4, 2, H * D) and mx.shape == (H,) and mx.dtype == torch.float32
+
+
+def test_repeated_calls_through_the_fast_path_keep_the_softmax_variant():
+    p = make_thd([4, 3], h=H, hg=HG, d=D)
+    dpa = _dpa("learnable", return_max_logit=True)
+    kwargs = p.kwargs(False, 4, 4, shared=True)
+    first = dpa(p.q, p.k, p.v, **kwargs)
+    second = dpa(p.q, p.k, p.v, **kwargs)
+    assert dpa._recipes, "the second call should have taken the fast path"
+    _close(first[0], second[0], 0.0)
+    _close(first[1], second[1], 0.0)
+
+
+# ------------------------------------------------------------------------- module and errors
+
+
+def test_softmax_offset_parameter_as_te_defines_it():
+    learnable = DotProductAttention(H, D, softmax_type="learnable")
+    p = learnable.softmax_offset
+    assert isinstance(p, torch.nn.Parameter) and p.shape == (H,) and p.dtype == torch.float32 and p.requires_grad
+    assert "softmax_offset" in learnable.state_dict()
+    assert 0 < p.abs().max() < 0.2  # N(0, 0.023)
+    off = DotProductAttention(H, D, softmax_type="off-by-one")
+    assert torch.equal(off.softmax_offset, torch.zeros(H)) and "softmax_offset" not in off.state_dict()
+    assert not off.softmax_offset.requires_grad
+    assert DotProductAttention(H, D).softmax_offset is None
+
+
+def test_learnable_init_draws_inside_the_rng_tracker_fork():
+    class Tracker:
+        forks = 0
+
+        def fork(self):
+            Tracker.forks += 1
+            return torch.random.fork_rng()
+
+    before = torch.get_rng_state()
+    DotProductAttention(H, D, softmax_type="learnable", get_rng_state_tracker=Tracker)
+    assert Tracker.forks == 1 and torch.equal(torch.get_rng_state(), before)
+
+
+def test_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"softmax_type must be one of 'vanilla', 'off-by-one', 'learnable'; got 'sink'"):
+        DotProductAttention(H, D, softmax_type="sink")
+    with pytest.raises(TypeError, match=r"return_max_logit must be a bool; got 'yes'"):
+        DotProductAttention(H, D, return_max_logit="yes")
+
+
+def test_no_backend_error_names_softmax_type_not_return_max_logit():
+    q = torch.randn(4, 2, H, D)
+    dpa = DotProductAttention(H, D, softmax_type="learnable")
+    with env(NVTE_UNFUSED_ATTN="0"), pytest.raises(NotImplementedError) as err:
+        dpa(q, q, q)
+    assert "softmax_type='learnable'" in str(err.value) and "return_max_logit" not in str(err.value)
+
+
+# ------------------------------------------------------------------------- declarations
+
+ALL_LIBS = InstalledLibraries("2", "3", "4", "1")
+THD = AttentionParams(qkv_format="thd", qkv_layout="thd_thd_thd", attn_mask_type=AttnMaskType.PADDING_CAUSAL,
+                      head_dim_qk=128, head_dim_v=128)
+
+
+@pytest.mark.parametrize("softmax_type", ["off-by-one", "learnable"])
+def test_selection_sinks_go_to_fa4_and_others_say_why(softmax_type):
+    sel = get_attention_backend(replace(THD, softmax_type=softmax_type), ALL_LIBS)
+    assert sel.label == "FlashAttention v4"
+    for label, note in (("FlashAttention v3", "takes no attention-sink logits"), ("FusedAttention", "sink_token is not wired")):
+        text = "; ".join(map(str, sel.reasons_for(label)))
+        assert f"softmax_type='{softmax_type}' (supported: vanilla" in text and note in text
+    sel = get_attention_backend(replace(THD, softmax_type=softmax_type, compute_capability=(8, 0)), ALL_LIBS)
+    assert sel.label == "UnfusedDotProductAttention"
+
+
+def test_selection_return_max_logit_goes_to_unfused_with_reasons():
+    sel = get_attention_backend(replace(THD, return_max_logit=True), ALL_LIBS)
+    assert sel.label == "UnfusedDotProductAttention"
+    fa4 = "; ".join(map(str, sel.reasons_for("FlashAttention v4")))
+    assert fa4.startswith("return_max_logit=True (supported: False; FlashAttention returns only the log-sum-exp")
+    assert "score_max output is not wired" in "; ".join(map(str, sel.reasons_for("FusedAttention")))
+
+
+def test_fa4_sm100_hd256_sink_needs_no_gradient():
+    base = replace(THD, compute_capability=(10, 0), head_dim_qk=256, head_dim_v=256, softmax_type="learnable")
+    sel = get_attention_backend(base, ALL_LIBS)
+    assert "dedicated hd256 backward has no sink" in "; ".join(map(str, sel.reasons_for("FlashAttention v4")))
+    assert get_attention_backend(replace(base, requires_grad=False), ALL_LIBS).label == "FlashAttention v4"
+
+
+# ------------------------------------------------------------------------- FA4 wiring on the CPU
+
+
+def _fake_seqs(cu_q, cu_kv, used_q, used_kv):
+    lq = (cu_q[1:] - cu_q[:-1]) if used_q is None else used_q
+    lk = (cu_kv[1:] - cu_kv[:-1]) if used_kv is None else used_kv
+    return list(zip(cu_q[:-1].tolist(), cu_kv[:-1].tolist(), lq.tolist(), lk.tolist()))
+
+
+def _fake_one(q, k, v, causal, scale, sink):
+    allowed = allowed_matrix(q.shape[0], k.shape[0], "padding_causal_bottom_right" if causal else "padding")
+    return sink_attend(q, k, v, allowed, scale, sink)
+
+
+class _SinkFA4:
+    """FA4 emulated per sequence in float64, with its sink arguments: the forward takes
+    ``learnable_sink``, the backward ADDS its rows' sink gradient into ``dsink``."""
+
+    calls = []
+
+    @staticmethod
+    def fa4_fwd(q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, max_q, max_kv, scale, causal, left, right, learnable_sink=None):
+        _SinkFA4.calls.append(("fwd", learnable_sink))
+        for oq, ok_, nq, nk in _fake_seqs(cu_q, cu_kv, used_q, used_kv):
+            if nq:
+                out[oq : oq + nq] = _fake_one(q[oq : oq + nq], k[ok_ : ok_ + nk], v[ok_ : ok_ + nk], causal, scale,
+                                              None if learnable_sink is None else learnable_sink.double()).to(out.dtype)
+
+    @staticmethod
+    def fa4_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_kv, used_q, used_kv, max_q, max_kv, scale, causal, left,
+                right, deterministic, learnable_sink=None, dsink=None):
+        _SinkFA4.calls.append(("bwd", dsink))
+        for oq, ok_, nq, nk in _fake_seqs(cu_q, cu_kv, used_q, used_kv):
+            if not nq:
+                continue
+            leaves = [t.double().detach().requires_grad_() for t in (q[oq : oq + nq], k[ok_ : ok_ + nk], v[ok_ : ok_ + nk])]
+            sink = None if learnable_sink is None else learnable_sink.double().detach().requires_grad_()
+            with torch.enable_grad():
+                o = _fake_one(*leaves, causal, scale, sink)
+                grads = torch.autograd.grad(o, leaves + ([sink] if sink is not None else []), dout[oq : oq + nq].double())
+            dq[oq : oq + nq], dk[ok_ : ok_ + nk], dv[ok_ : ok_ + nk] = (g.to(dq.dtype) for g in grads[:3])
+            if dsink is not None:
+                dsink.add_(grads[3].to(dsink.dtype))
+
+
+
+@pytest.fixture
+def fa4_with_sinks(monkeypatch):
+    from transformer_engine.pytorch.attention.dot_product_attention import gap_rows
+    import transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention as dpa_module
+
+    _SinkFA4.calls = []
+    _SinkFA4.zero_gap_rows = staticmethod(gap_rows.zero_gap_rows)
+    _SinkFA4.zero_gap_rows_qkv = staticmethod(gap_rows.zero_gap_rows_qkv)
+    monkeypatch.setattr(backends, "ops", _SinkFA4())
+
+    class Selection:
+        backend = backends.FlashAttentionV4
+
+    monkeypatch.setattr(dpa_module, "require_backend", lambda params: Selection)
+
+
+@pytest.mark.parametrize("policies", [False, True])
+def test_fa4_path_passes_the_sink_and_returns_its_gradient(fa4_with_sinks, policies):
+    lengths = [5, 3, 6]
+    p = make_thd(lengths, gaps_q=[2, 0, 1], h=H, hg=HG, d=D)
+    dpa = _dpa("learnable")
+    kwargs = p.kwargs(True, 6, 6, shared=True)
+    masks = ["padding_causal"] * 3
+    if policies:
+        kwargs["thd_sequence_is_causal"] = torch.tensor([True, False, True])
+        masks = ["padding_causal", "padding", "padding_causal"]
+    out = dpa(p.q, p.k, p.v, **kwargs)
+    assert [c[0] for c in _SinkFA4.calls] == ["fwd"] * (2 if policies else 1)
+    assert all(c[1] is not None and c[1].dtype == torch.float32 for c in _SinkFA4.calls)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, [dpa.softmax_offset, p.q], g)
+    assert [c[0] for c in _SinkFA4.calls[-(2 if policies else 1):]] == ["bwd"] * (2 if policies else 1)
+    sink = SINK.clone().requires_grad_()
+    ref = torch.zeros(p.q.shape[0], H, D, dtype=torch.float64)
+    leaves_q = p.q.detach().clone().requires_grad_()
+    for i, n in enumerate(lengths):
+        a = int(p.off_q[i])
+        ref[a : a + n] = sink_attend(leaves_q[a : a + n], p.k.detach()[a : a + n], p.v.detach()[a : a + n],
+                                     allowed_matrix(n, n, masks[i]), 1 / math.sqrt(D), sink)
+    ref = ref.view(out.shape)
+    _close(out, ref, 1e-6)  # the sink passes through float32
+    want = torch.autograd.grad(ref, [sink, leaves_q], g)
+    _close(got[0], want[0], 1e-5)  # summed over both policies' calls
+    _close(got[1], want[1], 1e-6)
+
+
+def test_fa4_path_off_by_one_passes_zeros_and_no_sink_gradient(fa4_with_sinks):
+    p = make_thd([4, 2], h=H, hg=HG, d=D)
+    dpa = _dpa("off-by-one")
+    out = dpa(p.q, p.k, p.v, **p.kwargs(False, 4, 4, shared=True))
+    assert torch.equal(_SinkFA4.calls[0][1], torch.zeros(H))
+    out.sum().backward()
+    assert p.q.grad is not None and dpa.softmax_offset.grad is None
