@@ -25,7 +25,8 @@ CONSTRUCTOR_CASES = [
     (dict(window_size=(2,)), TypeError, "window_size"),
     (dict(tp_size=2), NotImplementedError, "tp_size"),
     (dict(sequence_parallel=True), NotImplementedError, "sequence_parallel"),
-    (dict(cp_group=object()), NotImplementedError, "cp_group"),
+    (dict(cp_group=object()), ValueError, "cp_group was given but torch.distributed is not initialized"),
+    (dict(cp_comm_type="ring"), ValueError, "cp_comm_type must be one of p2p, all_gather, a2a, a2a\\+p2p; got 'ring'"),
     (dict(attention_type="both"), ValueError, "attention_type"),
     (dict(attention_dropout=1.5), ValueError, "attention_dropout"),
 ]

@@ -269,6 +269,7 @@ class UnfusedDotProductAttention(BackendSupport):
     SUPPORTS_DROPOUT = True
     SUPPORTS_PAD_BETWEEN_SEQS = True
     SUPPORTS_PER_SEQ_POLICY = True
+    CP_COMM_TYPES = frozenset({"p2p", "all_gather", "a2a", "a2a+p2p"})
 
     @classmethod
     def _check_special(cls, params, libs):
@@ -305,6 +306,7 @@ class FlashAttentionV4(FlashAttention):
     COMPUTE_CAPABILITY_MAJORS = frozenset({9, 10})
     SUPPORTS_PAD_BETWEEN_SEQS = True
     SUPPORTS_PER_SEQ_POLICY = True
+    CP_COMM_TYPES = frozenset({"p2p", "all_gather", "a2a", "a2a+p2p"})
 
     @classmethod
     def _check_special(cls, params, libs):
@@ -483,6 +485,7 @@ class FusedAttention(BackendSupport):
     SUPPORTS_PER_SEQ_POLICY = True
     SUPPORTS_DROPOUT = True
     SUPPORTED_BIAS_TYPES = frozenset({"no_bias", "post_scale_bias", "alibi"})
+    CP_COMM_TYPES = frozenset({"p2p", "all_gather", "a2a", "a2a+p2p"})
     NOTES = {"core_attention_bias_type": "cuDNN adds a bias after scaling only"}
 
     @classmethod

@@ -12,6 +12,7 @@ from typing import Any, Mapping, Optional, Tuple, Union
 import torch
 import torch.utils.checkpoint
 
+from .context_parallel import context_parallel_forward, make_cp_config
 from .libraries import compute_capability
 from .fast_path import call_key, lookup, new_inputs, recipe_of, remember
 from .masks import AttnMaskType, MaskSpec, normalize_window
@@ -26,8 +27,9 @@ from .validation import check_bias, check_format, check_kv_channels, check_mask_
 class DotProductAttention(torch.nn.Module):
     """Scaled dot-product attention over [s,b,h,d], [b,s,h,d] or packed [t,h,d] inputs.
 
-    Output flattens heads: [s, b, h*dv], [b, s, h*dv] or [t, h*dv]. Tensor and context
-    parallelism are accepted as arguments but not implemented (a value that needs them raises
+    Output flattens heads: [s, b, h*dv], [b, s, h*dv] or [t, h*dv]. Context parallelism
+    (``cp_group``) follows TE's contract; see :mod:`.context_parallel`. Tensor parallelism is
+    accepted as arguments but not implemented (a value that needs it raises
     ``NotImplementedError``).
     """
 
@@ -56,6 +58,7 @@ class DotProductAttention(torch.nn.Module):
     ) -> None:
         super().__init__()
         _reject_parallelism(sequence_parallel, tp_size, tp_group, cp_group)
+        self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         if softmax_type != "vanilla" or return_max_logit:
             raise NotImplementedError(f"softmax_type={softmax_type!r} / return_max_logit={return_max_logit} are not implemented; use 'vanilla' / False")
         if not isinstance(num_attention_heads, int) or num_attention_heads <= 0:
@@ -122,6 +125,13 @@ class DotProductAttention(torch.nn.Module):
         """
         if inference_params is not None or fp8_output:
             raise NotImplementedError("inference_params (KV caching) and fp8_output are not implemented; pass None / False")
+        if self.cp_config is not None and self.cp_config.size > 1:
+            fmt = check_format(qkv_format if qkv_format is not None else self.qkv_format)
+            qkv = resolve_qkv(query_layer, key_layer, value_layer, qkv_layer, kv_layer, qkv_interleave_dim, fmt)
+            return context_parallel_forward(
+                self, self.cp_config, qkv, fmt, attention_mask, (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded),
+                (max_seqlen_q, max_seqlen_kv), attn_mask_type, window_size, checkpoint_core_attention, core_attention_bias_type,
+                core_attention_bias, alibi_slopes, pad_between_seqs, attn_mask_type_per_seq, thd_sequence_is_causal)
         layers = (query_layer, key_layer, value_layer, qkv_layer, kv_layer)
         cus = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
         max_seqlens = (max_seqlen_q, max_seqlen_kv)
@@ -152,6 +162,10 @@ class DotProductAttention(torch.nn.Module):
             else:
                 out = backend.run(inp, self.training)
         return _flatten(out, fmt)
+
+    def set_context_parallel_group(self, cp_group: Any, cp_global_ranks: Any, cp_stream: Any, cp_comm_type: str = "p2p") -> None:
+        """Set (or, with ``cp_group=None``, clear) context parallelism, as TE's method does."""
+        self.cp_config = make_cp_config(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
     def _inputs(self, qkv, fmt, attention_mask, cus, max_seqlens, attn_mask_type, window_size, pad_between_seqs, per_seq,
                 is_causal) -> AttentionInputs:
@@ -273,8 +287,6 @@ def _reject_parallelism(sequence_parallel, tp_size, tp_group, cp_group) -> None:
             f"tensor/sequence parallelism is not implemented; got sequence_parallel={sequence_parallel}, "
             f"tp_size={tp_size}, tp_group={'set' if tp_group is not None else None} (accepted: False, 1, None)"
         )
-    if cp_group is not None:
-        raise NotImplementedError("context parallelism is not implemented; got a cp_group (accepted: None)")
 
 
 def _flatten(out: torch.Tensor, fmt: str) -> torch.Tensor:

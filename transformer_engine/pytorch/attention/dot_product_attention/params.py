@@ -54,6 +54,7 @@ class AttentionParams:
     requires_grad: bool = True
     fp8: bool = False
     context_parallel: bool = False
+    cp_comm_type: Optional[str] = None  # with context_parallel: p2p, all_gather, a2a or a2a+p2p
 
     @property
     def mask_specs(self) -> Tuple[MaskSpec, ...]:
