@@ -40,6 +40,7 @@ run_file test_cudnn_wiring.py
 run_file test_fa3_adapter.py
 run_file test_gap_rows.py
 run_file test_context_parallel.py
+run_file test_gpu_context_parallel.py
 run_file test_qa_list.py
 
 echo

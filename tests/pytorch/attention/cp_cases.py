@@ -37,6 +37,7 @@ class Case:
     error: Optional[Tuple[str, str]] = None  # (exception name, message fragment)
     bad_slots: bool = False
     dense_len: int = 0  # local rows per rank for bshd/sbhd (0: 2 chunks of 4)
+    d: int = 8  # head dim
 
 
 def _slots(lengths: List[int], multiple: int, gaps: bool) -> List[int]:
@@ -83,7 +84,7 @@ def _thd_batch(case: Case, cp: int, device, dtype) -> Batch:
         off_q = off_kv = [0, 6, 6 + 3 * m, 8 + 3 * m]
     tq, tkv = off_q[-1], off_kv[-1]
     g = torch.Generator().manual_seed(1234)
-    hd = 8
+    hd = case.d
     q = torch.randn(tq, case.h, hd, generator=g, dtype=torch.float64)
     k = torch.randn(tkv, case.hg, hd, generator=g, dtype=torch.float64)
     v = torch.randn(tkv, case.hg, hd, generator=g, dtype=torch.float64)
@@ -136,10 +137,10 @@ def _reference(case: Case, batch: Batch, scale: float):
 def _dense_batch(case: Case, cp: int, device, dtype) -> Batch:
     s = (case.dense_len or 4) * cp
     g = torch.Generator().manual_seed(99)
-    q = torch.randn(2, s, case.h, 8, generator=g, dtype=torch.float64)
-    k = torch.randn(2, s, case.hg, 8, generator=g, dtype=torch.float64)
-    v = torch.randn(2, s, case.hg, 8, generator=g, dtype=torch.float64)
-    dout = torch.randn(2, s, case.h, 8, generator=g, dtype=torch.float64)
+    q = torch.randn(2, s, case.h, case.d, generator=g, dtype=torch.float64)
+    k = torch.randn(2, s, case.hg, case.d, generator=g, dtype=torch.float64)
+    v = torch.randn(2, s, case.hg, case.d, generator=g, dtype=torch.float64)
+    dout = torch.randn(2, s, case.h, case.d, generator=g, dtype=torch.float64)
     cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
     return Batch(cast(q), cast(k), cast(v), cast(dout), dict(qkv_format=case.fmt, attn_mask_type=case.mask,
                                                              window_size=case.window), None, None)
@@ -172,7 +173,7 @@ def run_case(case: Case, world: int, rank: int, cp_group, device="cpu", check_to
     """One case on one rank; raises AssertionError on a mismatch."""
     dtype = getattr(torch, case.dtype)
     batch = _thd_batch(case, world, device, dtype) if case.fmt == "thd" else _dense_batch(case, world, device, dtype)
-    dpa = DotProductAttention(case.h, 8, num_gqa_groups=case.hg, qkv_format=case.fmt, attn_mask_type=case.mask,
+    dpa = DotProductAttention(case.h, case.d, num_gqa_groups=case.hg, qkv_format=case.fmt, attn_mask_type=case.mask,
                               cp_group=cp_group, cp_comm_type=case.comm)
     slots = batch.kwargs.get("cu_seqlens_q_padded", batch.kwargs.get("cu_seqlens_q"))
     slots_kv = batch.kwargs.get("cu_seqlens_kv_padded", batch.kwargs.get("cu_seqlens_kv"))
@@ -199,10 +200,12 @@ def run_case(case: Case, world: int, rank: int, cp_group, device="cpu", check_to
         out = dpa(*inputs, **batch.kwargs)
         out.backward(_to_fmt(_local(batch.dout, case, world, rank, slots), case.fmt).reshape(out.shape))
         grads = [t.grad for t in leaves]
+    selection = getattr(dpa, "last_selection", None)
+    _LAST["label"] = selection.label if selection is not None else "ordinary path (a2a)"
     out = out.view(*inputs[0].shape[:-1], -1)
     out = out.transpose(0, 1) if case.fmt == "sbhd" else out
     ref = _reference(case, batch, dpa.softmax_scale)
-    tol = check_tol or (1e-9 if dtype == torch.float64 else 2e-5)
+    tol = check_tol or {torch.float64: 1e-9, torch.float32: 2e-5}.get(dtype, 3e-2)
     names = ("out", "dq", "dk", "dv")
     for name, got, want, sl in zip(names, [out] + grads, ref, (slots, slots, slots_kv, slots_kv)):
         want = _local(want, case, world, rank, sl)
@@ -217,9 +220,18 @@ def run_case(case: Case, world: int, rank: int, cp_group, device="cpu", check_to
             assert bool((got.detach().cpu()[pad] == 0).all()), f"{name}: a padding row is not exactly 0 on rank {rank}"
 
 
-def worker(rank: int, world: int, port: int, cases: List[Case], outdir: str, device: str = "cpu") -> None:
-    """Spawned once per world size: runs every case, records 'ok' or the failure per case."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+_LAST = {}
+
+
+def _last_label(device: str):
+    return _LAST.get("label") if device == "cuda" else None
+
+
+def worker(rank: int, world: int, port: int, cases: List[Case], outdir: str, device: str = "cpu", env=None) -> None:
+    """Spawned once per world size: runs every case, records 'ok' or the failure per case.
+    ``device='cuda'``: every rank on the one GPU, gloo with host staging (test mode);
+    ``env`` sets backend switches (e.g. NVTE_FUSED_ATTN=0 leaves FA4)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env or {}))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     if device == "cuda":
@@ -233,7 +245,8 @@ def worker(rank: int, world: int, port: int, cases: List[Case], outdir: str, dev
                 group_cache[key] = groups_for(case.comm, world)
             try:
                 run_case(case, world, rank, group_cache[key], device)
-                results.append(f"{case.id}\tok")
+                label = _last_label(device)
+                results.append(f"{case.id}\tok" if label is None else f"{case.id}\tok\t{label}")
             except Exception:  # noqa: BLE001 - reported to the test by case id
                 results.append(f"{case.id}\t" + traceback.format_exc().replace("\n", "\\n"))
     finally:
