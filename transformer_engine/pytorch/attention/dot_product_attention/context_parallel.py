@@ -30,7 +30,7 @@ from .cp_kernels import KERNELS
 from .cp_partition import check_slots
 from .masks import AttnMaskType, MaskSpec, normalize_window
 from .support import Reason
-from .thd import check_cu_seqlens, infer_pad_between_seqs, make_packed, validation_enabled
+from .thd import check_cu_seqlens, checked_or_safe, infer_pad_between_seqs, make_packed, value_checks_on
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
@@ -81,11 +81,13 @@ def make_cp_config(cp_group, cp_global_ranks, cp_stream, cp_comm_type) -> Option
         groups = (cp_group,)
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_initialized():
+    # A CPComm (a subclass) in place of a process group brings its own transport: how the
+    # tests drive a CP step on one GPU without host staging (sync and graph checks).
+    if not all(isinstance(g, CPComm) for g in groups) and (not dist.is_available() or not dist.is_initialized()):
         raise ValueError("cp_group was given but torch.distributed is not initialized; call init_process_group first")
     size = 1
     for g in groups:
-        size *= dist.get_world_size(g)
+        size *= g.size if isinstance(g, CPComm) else dist.get_world_size(g)
     ranks = tuple(int(r) for r in cp_global_ranks) if cp_global_ranks is not None else None
     if ranks is not None and len(ranks) != size:
         raise ValueError(f"cp_global_ranks must list the {size} ranks of the CP group; got {len(ranks)}")
@@ -178,14 +180,14 @@ def context_parallel_forward(dpa, cfg: CPConfig, qkv, fmt: str, attention_mask, 
     from .validation import check_mask_and_format, check_qkv
 
     q, k, v = qkv.q, qkv.k, qkv.v
-    check_qkv(q, k, v, fmt, dpa.num_attention_heads, dpa.num_gqa_groups, dpa.head_dims)
+    check_qkv(q, k, v, fmt, dpa.num_attention_heads_per_partition, dpa.num_gqa_groups_per_partition, dpa.head_dims)
     mask = AttnMaskType.parse(attn_mask_type if attn_mask_type is not None else dpa.attn_mask_type)
     mask = check_mask_and_format(mask, fmt, attention_mask, cus[0] is not None)
     raw_window = window_size if window_size is not None else dpa.window_size
     window = normalize_window(raw_window, mask)
     if bias is not None or alibi_slopes is not None:
         bias_type = bias_type if bias_type != "no_bias" else "post_scale_bias"
-    comms = [CPComm(g, cfg.stream) for g in cfg.groups]
+    comms = [g if isinstance(g, CPComm) else CPComm(g, cfg.stream) for g in cfg.groups]
     if fmt == "thd":
         call = _thd_call(dpa, q, k, v, cus, max_seqlens, mask, window, raw_window, pad_between, per_seq, is_causal, cfg)
     else:
@@ -299,7 +301,7 @@ def _select_kernel(dpa, q, k, v, call: CPCall):
 
 def _check_values(t: torch.Tensor) -> bool:
     """Value checks: free on the CPU, a sync on CUDA (only under NVTE_ATTN_VALIDATE=1)."""
-    return t.device.type == "cpu" or validation_enabled()
+    return value_checks_on(t.device)
 
 
 def _thd_call(dpa, q, k, v, cus, max_seqlens, mask, window, raw_window, pad_between, per_seq, is_causal, cfg) -> CPCall:
@@ -321,9 +323,7 @@ def _thd_call(dpa, q, k, v, cus, max_seqlens, mask, window, raw_window, pad_betw
     pk = make_packed("cu_seqlens_kv", cu_kv, cu_kv_pad, pad_between, max_seqlens[1], k.shape[0] * size)
     for name, p in (("cu_seqlens_q_padded", pq), ("cu_seqlens_kv_padded", pk)):
         check_slots(name if p.has_gaps else name[:-7], p.offsets, size, _check_values(p.offsets))
-    if validation_enabled():
-        pq.validate_values("cu_seqlens_q")
-        pk.validate_values("cu_seqlens_kv")
+    pq, pk = checked_or_safe(pq, pk)  # checked on the CPU (or when asked), bounded on the device otherwise
     policies = _parse_policies(per_seq, is_causal, b, q.device, raw_window)
     if policies is None:
         specs, live, policy_of_seq = (MaskSpec(mask, window),), (True,), torch.zeros(b, dtype=torch.int64, device=q.device)

@@ -1,0 +1,110 @@
+"""A context-parallel step adds no host sync and captures in a CUDA graph (GPU).
+
+NCCL needs one GPU per rank, and the one-GPU machine's gloo staging syncs by design, so the
+transport here is an in-process stand-in (:class:`LoopbackComm`, a CPComm): rank 0 of a CP
+group of 2 whose "peer" sends back tensors shaped like its own. The numbers are meaningless;
+what is checked is that everything else a CP step runs (partition indices, ring steps, LSE
+merges, the FA4/cuDNN kernels, the backward ring) neither syncs with the host nor breaks a
+CUDA-graph capture. Correctness of CP is checked elsewhere (test_context_parallel.py on gloo,
+test_gpu_context_parallel.py with the kernels).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from transformer_engine.pytorch import DotProductAttention
+from transformer_engine.pytorch.attention.dot_product_attention.cp_comm import CPComm, Pending
+
+from .gpu_helpers import env
+
+pytestmark = pytest.mark.gpu
+H, D = 4, 64
+KERNEL_ENV = {
+    "FlashAttention v4": {"NVTE_FUSED_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"},
+    "FusedAttention": {"NVTE_FLASH_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"},
+}
+
+
+class LoopbackComm(CPComm):
+    """Rank 0 of ``size`` ranks; every peer answers with a copy of what this rank sends."""
+
+    def __init__(self, size: int = 2) -> None:  # no process group behind it
+        self.group, self.size, self.rank, self.backend, self.stream = None, size, 0, "loopback", None
+
+    def exchange(self, send, dst, src):
+        recv = send.clone()
+        return Pending(lambda: recv)
+
+    def all_gather(self, t):
+        return t.unsqueeze(0).expand(self.size, *t.shape).clone()
+
+    def reduce_scatter(self, t):
+        return t.sum(0)
+
+    def all_to_all(self, t):
+        return t.clone()
+
+
+def _batch(device="cuda", cp=2):
+    # Two sequences with gaps; every slot a multiple of 2 * cp, as TE's contract requires.
+    lengths, slots = [100, 37], [104, 48]
+    cu = torch.tensor([0, 100, 137], dtype=torch.int32, device=device)
+    cu_pad = torch.tensor([0, 104, 152], dtype=torch.int32, device=device)
+    local = sum(slots) // cp
+    q, k, v = (torch.randn(local, H, D, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    kwargs = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad,
+                  max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    return (q, k, v), kwargs
+
+
+def _step(dpa, inputs, kwargs):
+    out = dpa(*inputs, **kwargs)
+    out.backward(torch.ones_like(out))
+    return out
+
+
+@contextlib.contextmanager
+def _sync_errors():
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("label", list(KERNEL_ENV))
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a"])
+def test_cp_step_is_sync_free_and_captures(label, comm_type):
+    inputs, kwargs = _batch()
+    dpa = DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding_causal", cp_group=LoopbackComm(),
+                              cp_comm_type=comm_type)
+    with env(**KERNEL_ENV[label]):
+        _step(dpa, inputs, kwargs)  # warm-up: JIT compiles, cuDNN plans
+        torch.cuda.synchronize()
+        with _sync_errors():
+            out = _step(dpa, inputs, kwargs)
+        ran = dpa.last_selection.label if comm_type != "a2a" else next(iter(dpa._cp_inner.values())).last_selection.label
+        assert ran == label, f"expected {label}, ran {ran}"
+        assert torch.isfinite(out).all()
+
+        for t in inputs:
+            t.grad = None
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            _step(dpa, inputs, kwargs)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        for t in inputs:
+            t.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = _step(dpa, inputs, kwargs)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.isfinite(captured).all()
+        assert all(torch.isfinite(t.grad).all() for t in inputs)
