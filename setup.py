@@ -8,7 +8,7 @@ setup(
     name="te-attention",
     version=read_version(),
     description="Independent implementation of TransformerEngine's PyTorch attention API",
-    packages=find_packages(include=["transformer_engine", "transformer_engine.*"]),
+    packages=find_packages(include=["transformer_engine", "transformer_engine.*", "transformer_engine_torch"]),
     python_requires=">=3.9",
     # A floor only: never force a torch build on users who already have a CUDA one.
     install_requires=["torch>=2.4"],

@@ -45,6 +45,8 @@ run_file test_mha_tensor_parallel.py
 run_file test_softmax_variants.py
 run_file test_unfused_memory.py
 run_file test_gpu_softmax_variants.py
+run_file test_context_parallel.py
+run_file test_gpu_context_parallel.py
 run_file test_qa_list.py
 
 echo

@@ -11,6 +11,11 @@ from . import distributed, fp8, ops, router, tensor
 from .attention import DotProductAttention, MultiheadAttention
 from .fp8 import fp8_autocast, fp8_model_init
 from .module import GroupedLinear, LayerNorm, LayerNormLinear, Linear, RMSNorm
+from .attention.dot_product_attention.cp_partition import (
+    gather_context_parallel,
+    get_cp_partition_indices,
+    partition_for_context_parallel,
+)
 
 __all__ = [
     "DotProductAttention",
@@ -27,4 +32,7 @@ __all__ = [
     "ops",
     "router",
     "tensor",
+    "gather_context_parallel",
+    "get_cp_partition_indices",
+    "partition_for_context_parallel",
 ]

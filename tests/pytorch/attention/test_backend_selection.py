@@ -78,7 +78,9 @@ TABLE = [
     ("env-fused-off", replace(THD, compute_capability=(8, 0)), ALL, {"NVTE_FUSED_ATTN": "0"}, "FlashAttention v2",
      {"FusedAttention": "NVTE_FUSED_ATTN=0"}),
     ("fp8", replace(THD, fp8=True), ALL, {}, None, {"UnfusedDotProductAttention": "fp8"}),
-    ("context-parallel", replace(THD, context_parallel=True), ALL, {}, None, {"FusedAttention": "context_parallel"}),
+    ("cp-p2p", replace(THD, context_parallel=True, cp_comm_type="p2p"), ALL, {}, "FlashAttention v4", {}),
+    ("cp-p2p-fa2-only", replace(THD, context_parallel=True, cp_comm_type="p2p"), FA2_ONLY, {}, "UnfusedDotProductAttention",
+     {"FlashAttention v2": "cp_comm_type=p2p (supported: a2a (context parallelism))"}),
 ]
 
 

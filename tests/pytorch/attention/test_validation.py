@@ -26,7 +26,8 @@ CONSTRUCTOR_CASES = [
     (dict(tp_size=0), ValueError, "tp_size must be a positive int; got 0"),
     (dict(tp_size=3), ValueError, "num_attention_heads=4 must be divisible by the tensor-parallel size 3"),
     (dict(tp_size=4, num_gqa_groups=2), ValueError, "num_gqa_groups=2 must be divisible by the tensor-parallel size 4"),
-    (dict(cp_group=object()), NotImplementedError, "cp_group"),
+    (dict(cp_group=object()), ValueError, "cp_group was given but torch.distributed is not initialized"),
+    (dict(cp_comm_type="ring"), ValueError, "cp_comm_type must be one of p2p, all_gather, a2a, a2a\\+p2p; got 'ring'"),
     (dict(attention_type="both"), ValueError, "attention_type"),
     (dict(attention_dropout=1.5), ValueError, "attention_dropout"),
 ]

@@ -217,6 +217,11 @@ class MultiheadAttention(torch.nn.Module):
             outputs += (ln_out,)
         return outputs if len(outputs) > 1 else outputs[0]
 
+    def set_context_parallel_group(self, cp_group: Any, cp_global_ranks: Any, cp_stream: Any, cp_comm_type: str = "p2p") -> None:
+        """Context parallelism for the core attention (TE's method); inputs are then each rank's
+        share of the sequence, see DotProductAttention."""
+        self.core_attention.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
     def _project(self, x: torch.Tensor, encoder_output: Optional[torch.Tensor]) -> dict:
         """Keyword arguments for DotProductAttention: a declared packed buffer where possible."""
         lead = x.shape[:-1]

@@ -288,6 +288,7 @@ class UnfusedDotProductAttention(BackendSupport):
     SUPPORTS_PER_SEQ_POLICY = True
     SUPPORTED_SOFTMAX_TYPES = frozenset(SOFTMAX_TYPES)
     SUPPORTS_RETURN_MAX_LOGIT = True
+    CP_COMM_TYPES = frozenset({"p2p", "all_gather", "a2a", "a2a+p2p"})
 
     @classmethod
     def _check_special(cls, params, libs):
@@ -331,6 +332,7 @@ class FlashAttentionV4(FlashAttention):
     # gradient from the backward (dense and varlen, sm90 and sm10x); off-by-one is a sink of 0.
     SUPPORTED_SOFTMAX_TYPES = frozenset(SOFTMAX_TYPES)
     NOTES = {field: note for field, note in FlashAttention.NOTES.items() if field != "softmax_type"}
+    CP_COMM_TYPES = frozenset({"p2p", "all_gather", "a2a", "a2a+p2p"})
 
     @classmethod
     def _check_special(cls, params, libs):
@@ -533,6 +535,7 @@ class FusedAttention(BackendSupport):
         "softmax_type": "cuDNN's sink_token is not wired here yet",
         "return_max_logit": "cuDNN's score_max output is not wired here yet",
     }
+    CP_COMM_TYPES = frozenset({"p2p", "all_gather", "a2a", "a2a+p2p"})
 
     @classmethod
     def _check_special(cls, params, libs):

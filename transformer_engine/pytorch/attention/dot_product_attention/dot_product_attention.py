@@ -12,6 +12,7 @@ from typing import Any, Mapping, Optional, Tuple, Union
 import torch
 import torch.utils.checkpoint
 
+from .context_parallel import context_parallel_forward, make_cp_config
 from .libraries import compute_capability
 from .fast_path import call_key, lookup, new_inputs, recipe_of, remember
 from .masks import AttnMaskType, MaskSpec, normalize_window
@@ -31,7 +32,8 @@ class DotProductAttention(torch.nn.Module):
     Output flattens heads: [s, b, h*dv], [b, s, h*dv] or [t, h*dv]. Tensor parallelism as TE
     defines it: ``num_attention_heads`` and ``num_gqa_groups`` are global counts and each rank
     passes its own ``h // tp`` heads (tp is ``tp_group``'s world size when given, else
-    ``tp_size``). Context parallelism is not implemented (a ``cp_group`` raises).
+    ``tp_size``). Context parallelism (``cp_group``) follows TE's contract; see
+    :mod:`.context_parallel`.
     """
 
     def __init__(
@@ -59,7 +61,7 @@ class DotProductAttention(torch.nn.Module):
     ) -> None:
         super().__init__()
         # As in TE: the group's size wins over tp_size; heads and groups are global counts.
-        self.tp_size = _reject_parallelism(tp_size, tp_group, cp_group)
+        self.tp_size = _tp_size(tp_size, tp_group)
         self.tp_group = tp_group
         # Under sequence parallelism TE draws attention dropout from the default generator, not
         # the tracker's model-parallel stream (see _dropout_rng).
@@ -68,6 +70,7 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError(f"softmax_type must be one of {', '.join(map(repr, SOFTMAX_TYPES))}; got {softmax_type!r}")
         if not isinstance(return_max_logit, bool):
             raise TypeError(f"return_max_logit must be a bool; got {return_max_logit!r}")
+        self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         if not isinstance(num_attention_heads, int) or num_attention_heads <= 0:
             raise ValueError(f"num_attention_heads must be a positive int; got {num_attention_heads!r}")
         self.num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
@@ -139,6 +142,14 @@ class DotProductAttention(torch.nn.Module):
         if inference_params is not None or fp8_output:
             raise NotImplementedError("inference_params (KV caching) and fp8_output are not implemented; pass None / False")
         check_num_splits(num_splits)
+        if self.cp_config is not None and self.cp_config.size > 1:
+            _reject_under_cp(self, bottom_right_diagonal)
+            fmt = check_format(qkv_format if qkv_format is not None else self.qkv_format)
+            qkv = resolve_qkv(query_layer, key_layer, value_layer, qkv_layer, kv_layer, qkv_interleave_dim, fmt)
+            return context_parallel_forward(
+                self, self.cp_config, qkv, fmt, attention_mask, (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded),
+                (max_seqlen_q, max_seqlen_kv), attn_mask_type, window_size, checkpoint_core_attention, core_attention_bias_type,
+                core_attention_bias, alibi_slopes, pad_between_seqs, attn_mask_type_per_seq, thd_sequence_is_causal)
         layers = (query_layer, key_layer, value_layer, qkv_layer, kv_layer)
         cus = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
         max_seqlens = (max_seqlen_q, max_seqlen_kv)
@@ -172,6 +183,10 @@ class DotProductAttention(torch.nn.Module):
         if self.return_max_logit:  # as TE: (output, max logit [H])
             return _flatten(out, fmt), inp.max_logit
         return _flatten(out, fmt)
+
+    def set_context_parallel_group(self, cp_group: Any, cp_global_ranks: Any, cp_stream: Any, cp_comm_type: str = "p2p") -> None:
+        """Set (or, with ``cp_group=None``, clear) context parallelism, as TE's method does."""
+        self.cp_config = make_cp_config(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
     def _inputs(self, qkv, fmt, attention_mask, cus, max_seqlens, attn_mask_type, window_size, pad_between_seqs, per_seq,
                 is_causal, bottom_right_diagonal, bias_type) -> AttentionInputs:
@@ -318,11 +333,9 @@ def _with_softmax(module, inp: AttentionInputs) -> AttentionInputs:
     return inp
 
 
-def _reject_parallelism(tp_size, tp_group, cp_group) -> int:
+def _tp_size(tp_size, tp_group) -> int:
     """The tensor-parallel size (``tp_group``'s world size when given, as in TE; 1 when
-    torch.distributed is not initialized); context parallelism is rejected."""
-    if cp_group is not None:
-        raise NotImplementedError("context parallelism is not implemented; got a cp_group (accepted: None)")
+    torch.distributed is not initialized)."""
     if tp_group is None:
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tp_size must be a positive int; got {tp_size!r}")
@@ -337,6 +350,15 @@ def _per_partition(name: str, count: int, tp_size: int) -> int:
     if count % tp_size:
         raise ValueError(f"{name}={count} must be divisible by the tensor-parallel size {tp_size} (tp_size, or tp_group's world size)")
     return count // tp_size
+
+
+def _reject_under_cp(module, bottom_right_diagonal) -> None:
+    """What the context-parallel schedules do not carry yet, refused by name before any
+    communication."""
+    for name, value, plain in (("softmax_type", module.softmax_type, "vanilla"), ("return_max_logit", module.return_max_logit, False),
+                               ("bottom_right_diagonal", bottom_right_diagonal, None)):
+        if value != plain:
+            raise NotImplementedError(f"{name}={value!r} is not supported with context parallelism yet; use {plain!r}")
 
 
 def _flatten(out: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -58,6 +58,7 @@ class AttentionParams:
     # returns TE's per-head max logit.
     softmax_type: str = "vanilla"
     return_max_logit: bool = False
+    cp_comm_type: Optional[str] = None  # with context_parallel: p2p, all_gather, a2a or a2a+p2p
 
     @property
     def mask_specs(self) -> Tuple[MaskSpec, ...]:

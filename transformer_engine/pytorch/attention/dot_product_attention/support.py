@@ -73,6 +73,9 @@ class BackendSupport:
     SUPPORTS_DIFFERENT_HEAD_DIM_V: ClassVar[bool] = True
     SUPPORTED_SOFTMAX_TYPES: ClassVar[FrozenSet[str]] = frozenset({"vanilla"})
     SUPPORTS_RETURN_MAX_LOGIT: ClassVar[bool] = False
+    # Context parallelism: the comm types this backend runs the local steps of (its CP kernel
+    # is in cp_kernels.py). a2a runs the ordinary path on the whole sequence, so every backend.
+    CP_COMM_TYPES: ClassVar[FrozenSet[str]] = frozenset({"a2a"})
     NOTES: ClassVar[dict] = {}
 
     @classmethod
@@ -173,8 +176,8 @@ class BackendSupport:
             out.append(Reason("return_max_logit", "True", "False"))
         if params.fp8:
             out.append(Reason("fp8", "True", "False (FP8 attention is not implemented)"))
-        if params.context_parallel:
-            out.append(Reason("context_parallel", "True", "False (context parallelism is not implemented)"))
+        if params.context_parallel and params.cp_comm_type not in cls.CP_COMM_TYPES:
+            out.append(Reason("cp_comm_type", str(params.cp_comm_type), _fmt(cls.CP_COMM_TYPES) + " (context parallelism)"))
         return out
 
     @classmethod

@@ -13,7 +13,6 @@ Everything here reads only shapes on the host; values stay on the device.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -96,13 +95,11 @@ class PackedSeqs:
     def seqlens(self) -> torch.Tensor:
         """Valid length of each sequence, [B] int32 (one op: diff costs less host time than two
         slices and a subtraction). After :func:`made_safe`, also at most its slot and max_seqlen."""
-        if self.bounded:
-            return self._bounded_lengths
-        return torch.diff(self.cu_seqlens)
-
-    @functools.cached_property
-    def _bounded_lengths(self) -> torch.Tensor:
         lengths = torch.diff(self.cu_seqlens)
+        if not self.bounded:
+            return lengths
+        # Not cached: a cached_property would not trace under torch.compile, and the callers
+        # that need lengths (plans, the unfused gather) ask once or twice per forward.
         if self.has_gaps:
             lengths = torch.minimum(lengths, torch.diff(self.offsets))
         return lengths.clamp(max=self.max_seqlen)

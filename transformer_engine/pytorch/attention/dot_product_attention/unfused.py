@@ -192,8 +192,9 @@ def _band(
 def _alibi_bias(
     slopes: Optional[torch.Tensor], h: int, r0: int, r1: int, skv: int, shift: IntOrTensor, device
 ) -> torch.Tensor:
-    """-slope * |j - i - shift| for query rows [r0, r1), with the bottom-right shift (skv - sq
-    per sequence)."""
+    """-slope * |j - i - shift| for query rows [r0, r1). As in TE, ALiBi follows the mask's
+    diagonal: ``shift`` is skv - sq (per sequence) for bottom-right masks and 0 for the top-left
+    ones (causal, padding_causal)."""
     if slopes is None:
         slopes = default_alibi_slopes(h)
     slopes = slopes.to(device=device, dtype=torch.float64)  # exact positions; _attend casts
@@ -231,7 +232,7 @@ def _dense(inp: AttentionInputs, training: bool):
             allowed = allowed.view(1, 1, r1 - r0, skv)
         bias = _rows_of(inp.bias, r0, r1)
         if inp.bias_type == "alibi":
-            bias = _alibi_bias(inp.alibi_slopes, h, r0, r1, skv, shift, q.device)
+            bias = _alibi_bias(inp.alibi_slopes, h, r0, r1, skv, band_shift, q.device)
         return allowed, bias
 
     out, max_logit = _core(q, k, v, inp, training, masks)
@@ -292,7 +293,7 @@ def _thd_gathered(inp: AttentionInputs, training: bool):
         allowed = allowed & q_ok[:, None, r0:r1, None] & kv_ok[:, None, None, :]
         bias = None
         if inp.bias_type == "alibi":
-            bias = _alibi_bias(inp.alibi_slopes, q.shape[1], r0, r1, skv, shift, q.device)
+            bias = _alibi_bias(inp.alibi_slopes, q.shape[1], r0, r1, skv, band_shift, q.device)
         return allowed, bias
 
     out, max_logit = _core(q, k, v, inp, training, masks)  # [B, H, SQ, Dv]
@@ -315,6 +316,8 @@ def _slot_rows(p: PackedSeqs, s: int) -> Tuple[torch.Tensor, torch.Tensor]:
 def _gather(t: torch.Tensor, rows: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     """[T, H, D] -> [B, H, S, D]; invalid positions are 0 (so NaN in gaps never enters)."""
     b, s = rows.shape
+    if t.shape[0] == 0:  # no rows to read (index 0 would be out of range); the sum keeps t in the graph
+        return t.new_zeros(b, t.shape[1], s, t.shape[2]) + t.sum()
     g = t.index_select(0, rows.flatten()).view(b, s, *t.shape[1:])
     g = torch.where(ok.view(b, s, 1, 1), g, torch.zeros((), dtype=t.dtype, device=t.device))
     return g.transpose(1, 2)
@@ -358,7 +361,7 @@ def _sequence_masks(inp: AttentionInputs, i: int, left: int, right: int, shift: 
 
     def masks(r0: int, r1: int):
         allowed = _band(left, right, shift if bottom_right else 0, r0, r1, m, device).view(1, 1, r1 - r0, m)
-        bias = _alibi_bias(slopes, h, r0, r1, m, shift, device) if inp.bias_type == "alibi" else None
+        bias = _alibi_bias(slopes, h, r0, r1, m, shift if bottom_right else 0, device) if inp.bias_type == "alibi" else None
         return allowed, bias
 
     return masks

@@ -12,7 +12,7 @@ import torch
 
 from .masks import AttnMaskType
 from .params import BIAS_TYPES, QKV_FORMATS
-from .thd import check_cu_seqlens
+from .thd import check_cu_seqlens, value_checks_on
 
 BIAS_SHAPES = ("1hss", "b1ss", "bhss", "11ss", "111s")
 
@@ -84,8 +84,10 @@ def dense_padding(
     if not mask.is_padding:
         return None, None, None
     if attention_mask is None:
-        check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, b)
-        check_cu_seqlens("cu_seqlens_kv", cu_seqlens_kv, b)
+        for name, cu, s in (("cu_seqlens_q", cu_seqlens_q, sq), ("cu_seqlens_kv", cu_seqlens_kv, skv)):
+            check_cu_seqlens(name, cu, b, device)
+            if value_checks_on(device):
+                _check_dense_lengths(name, cu, s)
         return _valid_from_cu(cu_seqlens_q, sq), _valid_from_cu(cu_seqlens_kv, skv), None
     if isinstance(attention_mask, (tuple, list)):
         if len(attention_mask) != 2:
@@ -98,6 +100,16 @@ def dense_padding(
         if tuple(m.shape) != (b, 1, 1, s):
             raise ValueError(f"{name} must have shape [b, 1, 1, s] = [{b}, 1, 1, {s}]; got {tuple(m.shape)}")
     return ~q_mask.view(b, sq), ~kv_mask.view(b, skv), None
+
+
+def _check_dense_lengths(name: str, cu: torch.Tensor, s: int) -> None:
+    """Value check (see :func:`value_checks_on`): each length of a padded bshd/sbhd batch lies
+    in [0, s]. Unchecked on CUDA, a bad length only marks too many or too few rows valid."""
+    values = cu.tolist()
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    bad = [n for n in lengths if not 0 <= n <= s]
+    if bad:
+        raise ValueError(f"{name} must give each sequence a length in [0, {s}] (the padded length); got lengths {lengths}")
 
 
 def _valid_from_cu(cu: torch.Tensor, s: int) -> torch.Tensor:

@@ -1,0 +1,146 @@
+"""Context parallelism on gloo (CPU): worlds of 2 and 4 processes, one spawn per world running
+every case; each rank's output rows and dq/dk/dv rows must equal the independent float64
+reference on the global batch, and padding rows must be exactly 0."""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from transformer_engine.pytorch import gather_context_parallel, get_cp_partition_indices, partition_for_context_parallel
+from transformer_engine.pytorch.attention.dot_product_attention.context_parallel import cp_support_markdown
+
+from .cp_cases import Case, worker
+
+CAUSAL_WINDOW = (("padding_causal", (3, 0)), ("padding", None), ("padding_causal", None))
+WINDOWS_A2A = (("padding", (2, 3)), ("padding_causal", (4, 0)), ("padding", None))
+
+WORLD2 = [
+    Case("p2p-causal-gaps", "p2p"),
+    Case("p2p-full-cross", "p2p", mask="padding", cross=True),
+    Case("p2p-causal-nogaps-mha", "p2p", gaps=False, h=4, hg=4),
+    Case("p2p-is-causal", "p2p", policy="is_causal", mask="padding"),
+    Case("p2p-bshd-causal", "p2p", fmt="bshd", mask="causal"),
+    Case("p2p-sbhd-full", "p2p", fmt="sbhd", mask="no_mask"),
+    Case("p2p-float32", "p2p", dtype="float32"),
+    Case("p2p-qkv-layer", "p2p", h=4, hg=4, packed=True),
+    Case("ag-causal-gaps", "all_gather"),
+    Case("ag-window-policies", "all_gather", policy="dict", policy_windows=CAUSAL_WINDOW, mask="padding"),
+    Case("ag-bshd-window", "all_gather", fmt="bshd", mask="causal", window=(5, 0)),
+    Case("ag-full-cross", "all_gather", mask="padding", cross=True),
+    Case("a2a-causal-gaps", "a2a"),
+    Case("a2a-windows-policies", "a2a", policy="dict", policy_windows=WINDOWS_A2A, mask="padding"),
+    Case("a2a-sbhd-window", "a2a", fmt="sbhd", mask="no_mask", window=(3, 2)),
+    Case("a2a-is-causal", "a2a", policy="is_causal", mask="padding"),
+    Case("a2a-full-cross", "a2a", mask="padding", cross=True),
+    Case("err-p2p-window", "p2p", window=(3, 0), error=("NotImplementedError", "window_size=(3, 0)")),
+    Case("err-ag-two-sided", "all_gather", mask="padding", window=(2, 2), error=("NotImplementedError", "window_size=(2, 2)")),
+    Case("err-a2a-heads", "a2a", h=3, hg=3, error=("NotImplementedError", "num_attention_heads=3")),
+    Case("err-causal-cross", "p2p", mask="padding_causal", cross=True, error=("NotImplementedError", "self-attention sharing")),
+    Case("err-bad-slot", "p2p", bad_slots=True, error=("ValueError", "divisible by 2 x cp size = 4")),
+    Case("err-dense-length", "p2p", fmt="bshd", mask="causal", dense_len=3, error=("ValueError", "divisible by 2 x cp size = 4")),
+]
+
+WORLD4 = [
+    Case("w4-p2p-causal-gaps", "p2p"),
+    Case("w4-p2p-is-causal", "p2p", policy="is_causal", mask="padding"),
+    Case("w4-p2p-bshd", "p2p", fmt="bshd", mask="causal", h=4, hg=4),
+    Case("w4-ag-window-policies", "all_gather", policy="dict", policy_windows=CAUSAL_WINDOW, mask="padding"),
+    Case("w4-a2a-windows", "a2a", policy="dict", policy_windows=WINDOWS_A2A, mask="padding", h=4, hg=4),
+    Case("w4-a2a+p2p-causal", "a2a+p2p"),
+    Case("w4-a2a+p2p-is-causal", "a2a+p2p", policy="is_causal", mask="padding"),
+    Case("w4-a2a+p2p-sbhd", "a2a+p2p", fmt="sbhd", mask="causal"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world, cases, device="cpu", env=None):
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.spawn(worker, args=(world, _free_port(), cases, outdir, device, env), nprocs=world, join=True)
+        results = {}
+        for rank in range(world):
+            with open(f"{outdir}/rank{rank}.tsv") as f:
+                for line in f.read().splitlines():
+                    case_id, status = line.split("\t", 1)
+                    results.setdefault(case_id, []).append(status.replace("\\n", "\n"))
+    return results
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return _spawn(2, WORLD2)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return _spawn(4, WORLD4)
+
+
+def _check(results, case_id, world):
+    statuses = results.get(case_id)
+    assert statuses is not None and len(statuses) == world, f"{case_id}: not run on every rank"
+    failures = [s for s in statuses if not s.startswith("ok")]
+    assert not failures, failures[0]
+
+
+@pytest.mark.parametrize("case_id", [c.id for c in WORLD2])
+def test_world2(world2, case_id):
+    _check(world2, case_id, 2)
+
+
+@pytest.mark.parametrize("case_id", [c.id for c in WORLD4])
+def test_world4(world4, case_id):
+    _check(world4, case_id, 4)
+
+
+# ---------------------------------------------------------------------------------- partition helpers
+
+
+def test_partition_indices_by_hand():
+    cu = torch.tensor([0, 8, 12], dtype=torch.int32)
+    assert get_cp_partition_indices(cu, 12, 2, 0).tolist() == [0, 1, 6, 7, 8, 11]
+    assert get_cp_partition_indices(cu, 12, 2, 1).tolist() == [2, 3, 4, 5, 9, 10]
+
+
+def test_thd_get_partitioned_indices_like_megatron():
+    import transformer_engine_torch as tex
+
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    idx = tex.thd_get_partitioned_indices(cu, cu[-1], 4, 3)  # a 0-d tensor total, as megatron passes
+    assert idx.dtype == torch.int32 and idx.tolist() == [3, 4, 11, 12]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_partition_round_trip(cp):
+    cu = torch.tensor([0, 8, 24, 32], dtype=torch.int32)
+    x = torch.randn(32 + 8, 3)  # a tail of 8 rows past the last slot
+    parts = [partition_for_context_parallel(x, cp, r, "thd", cu) for r in range(cp)]
+    assert torch.equal(gather_context_parallel(parts, "thd", cu), x)
+    d = torch.randn(2, 16, 3, 4)
+    parts = [partition_for_context_parallel(d, cp, r, "bshd") for r in range(cp)]
+    assert torch.equal(gather_context_parallel(parts, "bshd"), d)
+    s = d.transpose(0, 1)
+    parts = [partition_for_context_parallel(s, cp, r, "sbhd") for r in range(cp)]
+    assert torch.equal(gather_context_parallel(parts, "sbhd"), s)
+
+
+def test_partition_errors():
+    with pytest.raises(ValueError, match="every slot length must be divisible by 2 x cp size = 4 under context parallelism; got slot lengths \\[6, 6\\]"):
+        get_cp_partition_indices(torch.tensor([0, 6, 12], dtype=torch.int32), 12, 2, 0)
+    with pytest.raises(ValueError, match="cp_rank must be an int in \\[0, 2\\); got 2"):
+        get_cp_partition_indices(torch.tensor([0, 8], dtype=torch.int32), 8, 2, 2)
+
+
+def test_support_table_names_every_comm_type():
+    table = cp_support_markdown()
+    for name in ("p2p", "all_gather", "a2a", "a2a+p2p"):
+        assert f"| {name} |" in table
