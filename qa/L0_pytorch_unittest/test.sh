@@ -47,6 +47,9 @@ run_file test_unfused_memory.py
 run_file test_gpu_softmax_variants.py
 run_file test_context_parallel.py
 run_file test_gpu_context_parallel.py
+run_file test_te_matrix.py
+run_file test_thd_properties.py
+run_file test_hardening.py
 run_file test_qa_list.py
 
 echo

@@ -23,12 +23,8 @@ from .reference import allowed_matrix
 
 CASES = tm.all_cases()
 
-# Known library bugs on this branch, each a strict xfail so that the fix shows up as XPASS.
-CPU_XFAIL = {
-    f"bias/alibi_sq_gt_skv_{mask}/bshd_bs2hd/bf16": "unfused ALiBi is aligned bottom-right for attn_mask_type="
-    f"{mask!r} when sq > skv; TE aligns causal/padding_causal top-left (issue #12)"
-    for mask in ("causal", "padding_causal")
-}
+# Known library bugs, each a strict xfail so that its fix shows up as XPASS: {case id: reason}.
+CPU_XFAIL: dict = {}
 
 
 def _cpu_param(c: tm.Case):
