@@ -48,6 +48,9 @@ run_file test_gpu_softmax_variants.py
 run_file test_context_parallel.py
 run_file test_gpu_context_parallel.py
 run_file test_gpu_cp_sync_free.py
+run_file test_te_matrix.py
+run_file test_thd_properties.py
+run_file test_hardening.py
 run_file test_qa_list.py
 
 echo
