@@ -21,7 +21,7 @@ from .params import AttentionInputs, AttentionParams, params_key
 from .support import SOFTMAX_TYPES
 from .per_seq_policy import SeqPolicies, from_is_causal, from_mask_type_dict
 from .thd import check_cu_seqlens, check_unpadded_offsets, checked_or_safe, infer_pad_between_seqs, make_packed, value_checks_on
-from .utils import BACKENDS_BY_LABEL, chosen_backend_label, require_backend
+from .selection import BACKENDS_BY_LABEL, chosen_backend_label, require_backend
 from .validation import (check_bias, check_bottom_right_diagonal, check_format, check_kv_channels, check_mask_and_format, check_num_splits,
                          check_qkv, check_softmax_scale, dense_padding)
 

@@ -35,3 +35,22 @@ class Switch:
             raw = _DATA.get(self._encoded)
             return default if raw is None else os.fsdecode(raw)
         return os.environ.get(self.name, default)
+
+
+# The switches that decide backend selection (the debug switches last).
+_SELECTION_KEYS = (
+    "NVTE_FLASH_ATTN",
+    "NVTE_FUSED_ATTN",
+    "NVTE_UNFUSED_ATTN",
+    "NVTE_FLASH_ATTN_V2",
+    "NVTE_FLASH_ATTN_V3",
+    "NVTE_FLASH_ATTN_V4",
+    "NVTE_DEBUG",
+    "NVTE_DEBUG_LEVEL",
+)
+_SELECTION_BYTES = tuple(os.fsencode(k) for k in _SELECTION_KEYS)
+
+
+def env_snapshot() -> tuple:
+    """The selection switches (and the debug switches, last) as one hashable tuple."""
+    return raw_values(_SELECTION_KEYS, _SELECTION_BYTES)

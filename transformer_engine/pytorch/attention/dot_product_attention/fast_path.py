@@ -28,7 +28,8 @@ from .masks import MaskSpec
 from .packed_qkv import ResolvedQKV, split_packed
 from .params import AttentionInputs
 from .thd import PackedSeqs, checked_or_safe, validation_enabled
-from .utils import env_snapshot, stride_rules_out_packing
+from .environment import env_snapshot
+from .layouts import stride_rules_out_packing
 
 # A module meets few distinct signatures (one per layer shape and mode); a full cache is
 # emptied rather than managed, which only costs the next calls a full path each.

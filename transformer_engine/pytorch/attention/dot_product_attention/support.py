@@ -212,5 +212,15 @@ class BackendSupport:
         }
 
 
+def bias_thd_reasons(params) -> List[Reason]:
+    """A bias tensor has no packed layout: thd takes no_bias or alibi (unfused and cuDNN)."""
+    if params.qkv_format == "thd" and params.core_attention_bias_type in ("pre_scale_bias", "post_scale_bias"):
+        # Named by format: FusedAttention's note on core_attention_bias_type (pre- vs
+        # post-scale) would not explain this one.
+        return [Reason("qkv_format", f"thd with {params.core_attention_bias_type}",
+                       "bshd or sbhd for a bias tensor (it has no packed layout; thd takes no_bias or alibi)")]
+    return []
+
+
 def _fmt(values) -> str:
     return ", ".join(sorted(str(v) for v in values))
