@@ -157,7 +157,6 @@ def _dense_lengths(valid: Optional[torch.Tensor], b: int, s: int, device) -> tor
     return valid.sum(dim=1, dtype=torch.int32)
 
 
-# Preference order, fastest first on the measured H200 (benchmarks/results): FA4/FA3, then
 # ------------------------------------------------------------------ the registered ops
 
 
@@ -196,7 +195,7 @@ def cudnn_fwd(
     key = ("fwd", q.dtype, b, sq, skv, q.shape[1:], k.shape[1:], v.shape[1:], q.stride(), k.stride(), v.stride(),
            out.stride(), softmax_scale, _band_key(band), varlen, padded, _feature_key(*features), q.device)
     pack = {_UID["q"]: q, _UID["k"]: k, _UID["v"]: v, _UID["o"]: out, _UID["stats"]: stats}
-    ragged = dict(rq=(offsets_q, q), rk=(offsets_kv, k), rv=(offsets_kv, v), ro=(offsets_q, out)) if varlen else {}
+    ragged = _ragged_sources(offsets_q, offsets_kv, dict(q=q, k=k, v=v, o=out)) if varlen else {}
     pack.update(_metadata_pack(seqlens_q, seqlens_kv, ragged))
     pack.update(_feature_pack(bias, rng, dropout_p))
     build = lambda h: _build_fwd(h, q, k, v, out, b, sq, skv, softmax_scale, band, varlen, padded, features)  # noqa: E731
@@ -258,10 +257,7 @@ def cudnn_bwd(
     pack.update(_feature_pack(bias, rng, dropout_p))
     if dbias is not None:
         pack[_UID["dbias"]] = dbias
-    ragged = {}
-    if varlen:
-        ragged = dict(rq=(offsets_q, q), rk=(offsets_kv, k), rv=(offsets_kv, v), ro=(offsets_q, out), rdo=(offsets_q, dout),
-                      rdq=(offsets_q, dq), rdk=(offsets_kv, dk), rdv=(offsets_kv, dv))
+    ragged = _ragged_sources(offsets_q, offsets_kv, dict(q=q, k=k, v=v, o=out, do=dout, dq=dq, dk=dk, dv=dv)) if varlen else {}
     pack.update(_metadata_pack(seqlens_q, seqlens_kv, ragged))
     build = lambda h: _build_bwd(h, q, k, v, out, dout, dq, dk, dv, dbias, b, sq, skv, softmax_scale, band, varlen, padded,  # noqa: E731
                                  deterministic, features)
@@ -327,15 +323,46 @@ def _band_kwargs(causal: bool, window_left: int, window_right: int, bottom_right
     )
 
 
+def _dims(t: torch.Tensor, varlen: bool, s_max: int, b: int) -> Tuple[List[int], List[int]]:
+    """:func:`_desc` with the batch dim of a varlen tensor set to the sequence count."""
+    dims, strides = _desc(t, varlen, s_max)
+    if varlen:
+        dims[0] = b
+    return dims, strides
+
+
+def _set_ragged(g, tensors: dict, names: Tuple[str, ...], b: int) -> None:
+    """Give each named graph input its ragged offsets (uid name "r" + its name)."""
+    for name in names:
+        tensors[name].set_ragged_offset(_ragged(g, "r" + name, b))
+
+
+def _declare_output(g, gt, name: str, ref: torch.Tensor, s_max: int, b: int, varlen: bool) -> None:
+    """Set a graph output's uid, dims and strides from the torch tensor it is written into."""
+    dims, strides = _dims(ref, varlen, s_max, b)
+    if varlen:
+        gt.set_ragged_offset(_ragged(g, "r" + name, b))
+    gt.set_uid(_UID[name]).set_output(True).set_dim(dims).set_stride(strides)
+
+
+def _stats_layout(b: int, h: int, sq: int) -> Tuple[List[int], List[int]]:
+    """Stats stay dense [B, H, SQ, 1] float32 even for THD: the backward then needs no ragged stats."""
+    return [b, h, sq, 1], [h * sq, sq, 1, 1]
+
+
+def _sdpa_kwargs(t: dict, scale: float, varlen: bool, padded: bool, band: dict) -> dict:
+    """What sdpa and sdpa_backward take alike: scale, per-sequence lengths and the mask band."""
+    return dict(attn_scale=scale, use_padding_mask=varlen or padded, seq_len_q=t.get("len_q"), seq_len_kv=t.get("len_kv"),
+                **band)
+
+
 def _graph_tensors(g, tensors: dict, b: int, varlen: bool, s: dict) -> dict:
     """Declare q/k/v-like graph inputs; ``tensors`` maps uid name -> (torch tensor, s_max)."""
     import cudnn
 
     out = {}
     for name, (t, s_max) in tensors.items():
-        dims, strides = _desc(t, varlen, s_max)
-        if varlen:
-            dims[0] = b
+        dims, strides = _dims(t, varlen, s_max, b)
         out[name] = g.tensor(name=name, dim=dims, stride=strides, data_type=_dtype(t.dtype), uid=_UID[name])
     if varlen or s.get("padded"):
         for name in ("len_q", "len_kv"):
@@ -408,29 +435,12 @@ def _build_fwd(handle, q, k, v, o, b, sq, skv, scale, band, varlen, padded, feat
     g = _new_graph(q.dtype, handle)
     t = _graph_tensors(g, dict(q=(q, sq), k=(k, skv), v=(v, skv)), b, varlen, dict(padded=padded))
     if varlen:
-        for name, rag in (("q", "rq"), ("k", "rk"), ("v", "rv")):
-            t[name].set_ragged_offset(_ragged(g, rag, b))
-    o_t, stats_t = g.sdpa(
-        name="sdpa",
-        q=t["q"],
-        k=t["k"],
-        v=t["v"],
-        generate_stats=True,
-        attn_scale=scale,
-        use_padding_mask=varlen or padded,
-        seq_len_q=t.get("len_q"),
-        seq_len_kv=t.get("len_kv"),
-        **band,
-        **_feature_kwargs(g, *features),
-    )
-    dims, strides = _desc(o, varlen, sq)
-    if varlen:
-        dims[0] = b
-        o_t.set_ragged_offset(_ragged(g, "ro", b))
-    o_t.set_uid(_UID["o"]).set_output(True).set_dim(dims).set_stride(strides)
-    # Stats stay dense [B, H, SQ, 1] even for THD: the backward then needs no ragged stats.
-    h = q.shape[-2]
-    stats_t.set_uid(_UID["stats"]).set_output(True).set_dim([b, h, sq, 1]).set_stride([h * sq, sq, 1, 1]).set_data_type(cudnn.data_type.FLOAT)
+        _set_ragged(g, t, ("q", "k", "v"), b)
+    o_t, stats_t = g.sdpa(name="sdpa", q=t["q"], k=t["k"], v=t["v"], generate_stats=True,
+                          **_sdpa_kwargs(t, scale, varlen, padded, band), **_feature_kwargs(g, *features))
+    _declare_output(g, o_t, "o", o, sq, b, varlen)
+    dims, strides = _stats_layout(b, q.shape[-2], sq)
+    stats_t.set_uid(_UID["stats"]).set_output(True).set_dim(dims).set_stride(strides).set_data_type(cudnn.data_type.FLOAT)
     return _finish(g)
 
 
@@ -479,6 +489,14 @@ def _run_graph(key, build, pack: dict, device) -> None:
     g.execute(pack, workspace, handle=handle)
 
 
+_Q_SIDE = frozenset({"q", "o", "do", "dq"})  # tensors with query rows (the others have key rows)
+
+
+def _ragged_sources(offsets_q: torch.Tensor, offsets_kv: torch.Tensor, tensors: dict) -> dict:
+    """{ragged uid name: (token offsets, the tensor whose token stride scales them)}."""
+    return {"r" + name: (offsets_q if name in _Q_SIDE else offsets_kv, t) for name, t in tensors.items()}
+
+
 def _metadata_pack(seqlens_q, seqlens_kv, ragged: dict) -> dict:
     """Per-sequence lengths, and ragged offsets (int64 ELEMENT offsets: token offset times
     that tensor's token stride) for varlen calls."""
@@ -502,34 +520,21 @@ def _build_bwd(handle, q, k, v, o, do, dq, dk, dv, dbias, b, sq, skv, scale, ban
 
     g = _new_graph(q.dtype, handle)
     t = _graph_tensors(g, dict(q=(q, sq), k=(k, skv), v=(v, skv), o=(o, sq), do=(do, sq)), b, varlen, dict(padded=padded))
-    h = q.shape[-2]
-    stats = g.tensor(name="stats", dim=[b, h, sq, 1], stride=[h * sq, sq, 1, 1], data_type=cudnn.data_type.FLOAT, uid=_UID["stats"])
+    dims, strides = _stats_layout(b, q.shape[-2], sq)
+    stats = g.tensor(name="stats", dim=dims, stride=strides, data_type=cudnn.data_type.FLOAT, uid=_UID["stats"])
     if varlen:
-        for name, rag in (("q", "rq"), ("k", "rk"), ("v", "rv"), ("o", "ro"), ("do", "rdo")):
-            t[name].set_ragged_offset(_ragged(g, rag, b))
+        _set_ragged(g, t, ("q", "k", "v", "o", "do"), b)
     # Sizes the ragged dQ accumulator; rounded up as cuDNN's own THD path does.
     extra = dict(max_total_seq_len_q=_round64(_ragged_rows(q)), max_total_seq_len_kv=_round64(_ragged_rows(k))) if varlen else {}
     extra.update(_feature_kwargs(g, *features))
     if dbias is not None:
         extra["dBias"] = g.tensor(name="dbias", dim=list(dbias.shape), stride=list(dbias.stride()), data_type=_dtype(dbias.dtype),
                                   uid=_UID["dbias"])
-    dq_t, dk_t, dv_t = g.sdpa_backward(
-        name="sdpa_backward",
-        q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["do"], stats=stats,
-        attn_scale=scale,
-        use_padding_mask=varlen or padded,
-        seq_len_q=t.get("len_q"),
-        seq_len_kv=t.get("len_kv"),
-        use_deterministic_algorithm=deterministic,
-        **extra,
-        **band,
-    )
+    dq_t, dk_t, dv_t = g.sdpa_backward(name="sdpa_backward", q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["do"], stats=stats,
+                                       use_deterministic_algorithm=deterministic,
+                                       **_sdpa_kwargs(t, scale, varlen, padded, band), **extra)
     for name, gt, ref, s_max in (("dq", dq_t, dq, sq), ("dk", dk_t, dk, skv), ("dv", dv_t, dv, skv)):
-        dims, strides = _desc(ref, varlen, s_max)
-        if varlen:
-            dims[0] = b
-            gt.set_ragged_offset(_ragged(g, "r" + name, b))
-        gt.set_uid(_UID[name]).set_output(True).set_dim(dims).set_stride(strides)
+        _declare_output(g, gt, name, ref, s_max, b, varlen)
     return _finish(g)
 
 
