@@ -25,6 +25,27 @@ def _opt(w: int) -> Optional[int]:
     return None if w < 0 else w
 
 
+def _shared_kwargs(cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q, max_seqlen_kv, softmax_scale, causal,
+                   window_left, window_right, learnable_sink) -> dict:
+    """The keywords ``_flash_attn_fwd`` and ``_flash_attn_bwd`` (flash-attn-4 4.0.0b36) share."""
+    varlen = cu_seqlens_q is not None
+    kwargs = dict(
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_kv,
+        seqused_q=seqused_q,
+        seqused_k=seqused_kv,
+        max_seqlen_q=max_seqlen_q if varlen else None,
+        max_seqlen_k=max_seqlen_kv if varlen else None,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size_left=_opt(window_left),
+        window_size_right=_opt(window_right),
+    )
+    if learnable_sink is not None:  # only when given: FA4 releases before the sink backward lack it
+        kwargs["learnable_sink"] = learnable_sink
+    return kwargs
+
+
 def fa4_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -44,29 +65,23 @@ def fa4_fwd(
     learnable_sink: Optional[torch.Tensor] = None,
 ) -> None:
     """``learnable_sink`` [H] float32: one extra logit per head in each softmax denominator
-    (after scaling), with no value; None for the vanilla softmax."""
+    (after scaling), with no value; None for the vanilla softmax.
+
+    Calls the library's private ``_flash_attn_fwd``, by keyword: its public ``flash_attn_func``
+    and ``flash_attn_varlen_func`` run their own autograd and take no output buffers."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    varlen = cu_seqlens_q is not None
     _flash_attn_fwd(
-        q,
-        k,
-        v,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_kv,
-        seqused_q=seqused_q,
-        seqused_k=seqused_kv,
-        max_seqlen_q=max_seqlen_q if varlen else None,
-        max_seqlen_k=max_seqlen_kv if varlen else None,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size_left=_opt(window_left),
-        window_size_right=_opt(window_right),
-        **({} if learnable_sink is None else {"learnable_sink": learnable_sink}),
+        q=q,
+        k=k,
+        v=v,
+        **_shared_kwargs(cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
+                         causal, window_left, window_right, learnable_sink),
         return_lse=lse is not None,
         out=out,
         lse=lse,
     )
+
 
 def _fa4_fwd_fake(q, k, v, out, lse, *args) -> None:
     return None
@@ -100,37 +115,28 @@ def fa4_bwd(
     dsink: Optional[torch.Tensor] = None,
 ) -> None:
     """With ``learnable_sink`` (the forward's), this call's sink gradient is ADDED to ``dsink``
-    (calls for several mask policies each reduce over their own rows)."""
+    (calls for several mask policies each reduce over their own rows). Calls the library's
+    private ``_flash_attn_bwd`` by keyword (no public backward takes gradient buffers)."""
     from flash_attn.cute.interface import _flash_attn_bwd
 
-    varlen = cu_seqlens_q is not None
     grads = _flash_attn_bwd(
-        q,
-        k,
-        v,
-        out,
-        dout,
-        lse,
-        softmax_scale,
-        causal,
-        0.0,
-        window_size_left=_opt(window_left),
-        window_size_right=_opt(window_right),
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_kv,
-        seqused_q=seqused_q,
-        seqused_k=seqused_kv,
-        max_seqlen_q=max_seqlen_q if varlen else None,
-        max_seqlen_k=max_seqlen_kv if varlen else None,
+        q=q,
+        k=k,
+        v=v,
+        out=out,
+        dout=dout,
+        lse=lse,
+        softcap=0.0,  # no logit soft-capping (TE has none)
+        **_shared_kwargs(cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
+                         causal, window_left, window_right, learnable_sink),
         deterministic=deterministic,
         dq=dq,
         dk=dk,
         dv=dv,
-        # Only when given: FA4 releases before the sink backward lack the argument.
-        **({} if learnable_sink is None else {"learnable_sink": learnable_sink}),
     )
     if dsink is not None:
         dsink.add_(grads[3])
+
 
 def _fa4_bwd_fake(dout, q, k, v, out, lse, dq, dk, dv, *args) -> None:
     return None
