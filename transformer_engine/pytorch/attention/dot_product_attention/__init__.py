@@ -4,12 +4,13 @@ from .dot_product_attention import DotProductAttention
 from .masks import AttnMaskType
 from .params import AttentionParams
 from .layouts import get_qkv_layout
-from .selection import BackendSelection, explain_backends, get_attention_backend, support_matrix_markdown
+from .selection import BackendSelection, backend_scope, explain_backends, get_attention_backend, support_matrix_markdown
 
 __all__ = [
     "AttentionParams",
     "AttnMaskType",
     "BackendSelection",
+    "backend_scope",
     "DotProductAttention",
     "explain_backends",
     "get_attention_backend",

@@ -13,6 +13,7 @@ import torch
 import torch.utils.checkpoint
 
 from .context_parallel import context_parallel_forward, make_cp_config
+from .environment import compiling
 from .libraries import compute_capability
 from .fast_path import call_key, lookup, new_inputs, recipe_of, remember
 from .masks import AttnMaskType, MaskSpec, normalize_window
@@ -214,7 +215,7 @@ class DotProductAttention(torch.nn.Module):
         return self.get_rng_state_tracker().fork()
 
     def _select(self, params: AttentionParams):
-        if torch.compiler.is_compiling():
+        if compiling():
             return BACKENDS_BY_LABEL[chosen_backend_label(params_key(params))]
         selection = require_backend(params)
         # What ran, and why not the others (for reports). Set past nn.Module.__setattr__, which

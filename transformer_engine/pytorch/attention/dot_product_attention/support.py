@@ -7,12 +7,12 @@ the same data answers "why not FlashAttention?" and renders the README's support
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import ClassVar, FrozenSet, List, Optional, Tuple
 
 import torch
 
+from .environment import backend_switch_on
 from .libraries import InstalledLibraries
 from .masks import AttnMaskType
 from .params import AttentionParams
@@ -43,7 +43,7 @@ class Reason:
 
 def env_enabled(name: str) -> bool:
     """NVTE_* switches: '0' turns a backend off; anything else (or unset) leaves it on."""
-    return os.getenv(name, "1") != "0"
+    return backend_switch_on(name)
 
 
 class BackendSupport:

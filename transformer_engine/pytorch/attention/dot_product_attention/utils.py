@@ -14,6 +14,7 @@ from .selection import (  # noqa: F401
     BackendSelection,
     NoBackendError,
     _select,
+    backend_scope,
     chosen_backend_label,
     explain_backends,
     get_attention_backend,

@@ -18,6 +18,7 @@ from typing import Callable, Dict, Sequence
 import torch
 
 from .. import gap_rows
+from ..environment import compiling
 
 LIB = "te_attn"
 _OPS: Dict[str, object] = {}  # name -> registered op (what torch.compile traces)
@@ -42,7 +43,7 @@ class KernelOps:
     about 25 us per call (measured on a CPU core), and a training step makes several calls."""
 
     def __getattr__(self, name: str):
-        if torch.compiler.is_compiling():
+        if compiling():
             return getattr(torch.ops.te_attn, name)
         return _EAGER[name]
 

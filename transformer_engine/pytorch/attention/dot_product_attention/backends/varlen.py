@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..environment import Switch
+from ..environment import SANITIZE_GAPS, compiling
 from ..gap_rows import FA4_MAX_TILE_ROWS
 from ..masks import MaskSpec
 from ..params import AttentionInputs
@@ -126,12 +126,12 @@ def _gap_guard(plan: Optional[VarlenPlan], kernel) -> str:
     mode = _SANITIZE_GAPS.get("1")
     if mode == "0":
         return "off"
-    if mode == "copy" or torch.compiler.is_compiling():
+    if mode == "copy" or compiling():
         return "copy"
     return "inplace"
 
 
-_SANITIZE_GAPS = Switch("NVTE_FLASH_ATTN_SANITIZE_GAPS")
+_SANITIZE_GAPS = SANITIZE_GAPS
 
 
 def _zero_spill_rows(inp: AttentionInputs, q, k, v):
