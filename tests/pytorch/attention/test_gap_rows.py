@@ -158,7 +158,9 @@ def fake_fa4_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_kv, used_q, used_
     for oq, ok_, nq, nk in _sequences(cu_q, cu_kv, used_q, used_kv):
         if nq == 0:
             continue
-        tq, tk = _tile_rows(oq, nq, q.shape[0]), _tile_rows(ok_, nk, k.shape[0])
+        # Queries: the sequence's own rows (FA4 masks a tile's rows past its end); keys and
+        # values: whole tiles (masked scores still meet NaN there, 0 * NaN = NaN).
+        tq, tk = slice(oq, oq + nq), _tile_rows(ok_, nk, k.shape[0])
         leaves = [t[s].double().requires_grad_() for t, s in ((q, tq), (k, tk), (v, tk))]
         with torch.enable_grad():  # backward runs with grad mode off
             o = _emulated_attention(*leaves, nq, nk, scale, causal, left, right)
