@@ -20,9 +20,13 @@ def read_version() -> str:
 # The GPU libraries are optional: the package imports them lazily, where a backend is
 # checked or used, so a CPU-only install needs none of them.
 OPTIONAL_DEPENDENCIES = {
-    "cudnn": ["nvidia-cudnn-frontend>=1.10"],
-    "fa4": ["flash-attn-4"],
-    "fa2": ["flash-attn>=2.1"],
+    # The versions the code is written and tested against. cudnn-frontend: 1.13 added
+    # sdpa(generate_stats=...); the GPU suite ran on 1.32. flash-attn-4: the private
+    # _flash_attn_fwd/_flash_attn_bwd keywords are those of 4.0.0b36 (a beta: no range is safe).
+    # flash-attn 2: 2.4.1 added `deterministic` (window_size 2.3, alibi_slopes 2.4).
+    "cudnn": ["nvidia-cudnn-frontend>=1.13,<1.33"],
+    "fa4": ["flash-attn-4==4.0.0b36"],
+    "fa2": ["flash-attn>=2.4.1,<3"],
     # triton (+ numpy, which its CPU interpreter needs): the gap-row kernel is tested without a GPU
     # megatron-core: the drop-in tests run its TEDotProductAttention and a small GPT on CPU; its
     # own requirements are torch, numpy and packaging only (no second torch is pulled).

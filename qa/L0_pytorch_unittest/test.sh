@@ -29,6 +29,7 @@ run_file() {
 run_file test_dot_product_attention.py
 run_file test_fast_path.py
 run_file test_backend_selection.py
+run_file test_backend_scope.py
 run_file test_validation.py
 run_file test_pad_between_seqs.py
 run_file test_per_seq_policy.py
@@ -38,6 +39,7 @@ run_file test_gpu_backends.py
 run_file test_gpu_cudnn_features.py
 run_file test_cudnn_wiring.py
 run_file test_fa3_adapter.py
+run_file test_library_adapters.py
 run_file test_gap_rows.py
 run_file test_te_import_surface.py
 run_file test_megatron_dropin.py

@@ -1,4 +1,5 @@
-"""Helpers for the GPU tests: force one backend, compare it with the unfused one."""
+"""Helpers for the GPU tests: run on one backend (failing if it is not the one selected),
+compare it with the unfused one."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 
 import pytest
 import torch
+
+from transformer_engine.pytorch.attention import backend_scope
 
 GPU_BACKENDS = {
     # label -> the switches that leave only that backend (and the unfused fallback) on
@@ -29,16 +32,28 @@ def env(**values):
                 os.environ[k] = v
 
 
-def run_on(label, dpa, *args, **kwargs):
-    """Run dpa with only ``label`` (or, for "unfused", only the unfused backend) switched on."""
-    switches = {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "0"} if label == "unfused" else dict(GPU_BACKENDS[label], NVTE_UNFUSED_ATTN="0")
-    with env(**switches):
-        try:
+def run_on(label, dpa, *args, expect_refusal=None, **kwargs):
+    """Run dpa on backend ``label`` ("unfused" for the unfused one) and no other.
+
+    The call runs under ``backend_scope(allow=[label])``. If ``label`` refuses the
+    configuration the test FAILS, unless it passes ``expect_refusal`` (text that the refusal's
+    reasons must contain, e.g. "attention_mask="): then it is skipped with those reasons. A call
+    that runs although a refusal was expected fails too (the declaration changed; update the test)."""
+    name = "unfused" if label == "unfused" else label
+    want = "UnfusedDotProductAttention" if label == "unfused" else label
+    try:
+        with backend_scope(allow=[name]):
             out = dpa(*args, **kwargs)
-        except NotImplementedError as err:
-            if label == "unfused":
-                raise
-            pytest.skip(f"{label} cannot run this configuration: {err}")
+    except NotImplementedError as err:
+        if expect_refusal is None:
+            pytest.fail(f"{label} refused a configuration this test expects it to run:\n{err}")
+        if expect_refusal not in str(err):
+            pytest.fail(f"{label} refused, but not for {expect_refusal!r}:\n{err}")
+        pytest.skip(f"{label} refuses this configuration, as expected ({expect_refusal}): {err}")
+    if expect_refusal is not None:
+        pytest.fail(f"{label} ran a configuration the test expected it to refuse ({expect_refusal!r})")
+    selected = dpa.last_selection.label
+    assert selected == want, f"expected {want} to run, selection chose {selected}:\n{dpa.last_selection.report()}"
     return out
 
 

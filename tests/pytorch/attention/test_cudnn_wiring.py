@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from transformer_engine.pytorch import DotProductAttention
+from transformer_engine.pytorch.attention import backend_scope
 from transformer_engine.pytorch.attention.dot_product_attention import backends
+from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
 
 FWD_NAMES = ("offsets_q", "offsets_kv", "seqlens_q", "seqlens_kv", "batch_size", "max_seqlen_q", "max_seqlen_kv",
              "softmax_scale", "causal", "window_left", "window_right", "bottom_right", "bias", "rng", "alibi", "dropout_p")
@@ -35,15 +37,9 @@ class _RecordingOps:
 @pytest.fixture
 def recorder(monkeypatch):
     ops = _RecordingOps()
-    monkeypatch.setattr(backends, "ops", ops)
-
-    class Selection:
-        backend = backends.FusedAttention
-
-    import transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention as dpa_module
-
-    monkeypatch.setattr(dpa_module, "require_backend", lambda params: Selection)
-    return ops
+    monkeypatch.setattr(kernel_ops, "ops", ops)
+    with backend_scope(force=backends.FusedAttention):
+        yield ops
 
 
 def _qkv(b=2, sq=16, skv=16, h=4, d=8, dtype=torch.float32):

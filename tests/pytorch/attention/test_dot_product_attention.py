@@ -165,9 +165,16 @@ def test_dropout_train_vs_eval():
     dpa.eval()
     ref = reference_dense(q.detach(), k.detach(), v.detach(), "no_mask", None, SCALE)
     _close(dpa(q, k, v).view(2, 6, H, D), ref, 1e-10)
+    # With V = the identity over keys (key j is the unit vector e_j), the output row is the
+    # dropped probability row itself: each entry is 0 or P / (1 - p), about half of them 0.
+    eye = torch.eye(6, D, dtype=v.dtype).view(1, 6, 1, D).expand(2, 6, H, D).contiguous()
+    probs = reference_dense(q.detach(), k.detach(), eye, "no_mask", None, SCALE)[..., :6]
     dpa.train()
     torch.manual_seed(0)
-    assert not torch.allclose(dpa(q, k, v).view(2, 6, H, D).double(), ref)
+    dropped = dpa(q, k, eye).view(2, 6, H, D).double()[..., :6]
+    kept = dropped != 0
+    torch.testing.assert_close(dropped[kept], probs[kept] / 0.5, rtol=1e-10, atol=1e-12)
+    assert torch.all(dropped[~kept] == 0) and 0.3 < kept.double().mean() < 0.7
 
 
 def test_checkpoint_core_attention_same_gradients():

@@ -13,9 +13,7 @@ import pytest
 import torch
 
 from transformer_engine.pytorch import DotProductAttention
-from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa_module
-from transformer_engine.pytorch.attention.dot_product_attention.backends import FlashAttentionV3
-from transformer_engine.pytorch.attention.dot_product_attention.utils import BackendSelection
+from transformer_engine.pytorch.attention import backend_scope
 
 from .gpu_helpers import grads_of
 from .packing import make_thd
@@ -67,9 +65,9 @@ def test_fa3_varlen_mapping_matches_unfused(case, monkeypatch):
     ref = dpa(p.q, p.k, p.v, **kwargs)
     g = torch.randn_like(ref)
     want = grads_of(ref, [p.q, p.k, p.v], g)
-    monkeypatch.setattr(dpa_module, "require_backend", lambda params: BackendSelection(FlashAttentionV3, ()))
-    # A fresh module: ``dpa`` would reuse its first selection for the same host facts.
-    out = DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding_causal")(p.q, p.k, p.v, **kwargs)
+    with backend_scope(force="fa3"):  # the same module: the scope is part of the fast path's key
+        out = dpa(p.q, p.k, p.v, **kwargs)
+    assert dpa.last_selection.label == "FlashAttention v3"
     got = grads_of(out, [p.q, p.k, p.v], g)
     assert calls, "the FA3 stand-in never ran"
     torch.testing.assert_close(out, ref)
@@ -90,13 +88,13 @@ def test_fa3_gap_guard_has_teeth(monkeypatch):
     """Without the guard the stand-in leaks gap NaN into valid rows, as FA3 would; with the copy
     guard the inputs stay untouched and the result is finite."""
     monkeypatch.setitem(sys.modules, "flash_attn_interface", _fake_fa3([]))
-    monkeypatch.setattr(dpa_module, "require_backend", lambda params: BackendSelection(FlashAttentionV3, ()))
     dpa = DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding_causal")
     p = make_thd([5, 3, 7, 4], gaps_q=[2, 0, 3, 1], h=H, d=D, tail=2)
-    monkeypatch.setenv("NVTE_FLASH_ATTN_SANITIZE_GAPS", "0")
-    assert torch.isnan(dpa(p.q, p.k, p.v, **p.kwargs(True, 7, 7, shared=True))[p.valid_q]).any()
-    monkeypatch.setenv("NVTE_FLASH_ATTN_SANITIZE_GAPS", "copy")
-    out = dpa(p.q, p.k, p.v, **p.kwargs(True, 7, 7, shared=True))
+    with backend_scope(force="fa3"):
+        monkeypatch.setenv("NVTE_FLASH_ATTN_SANITIZE_GAPS", "0")
+        assert torch.isnan(dpa(p.q, p.k, p.v, **p.kwargs(True, 7, 7, shared=True))[p.valid_q]).any()
+        monkeypatch.setenv("NVTE_FLASH_ATTN_SANITIZE_GAPS", "copy")
+        out = dpa(p.q, p.k, p.v, **p.kwargs(True, 7, 7, shared=True))
     assert torch.isfinite(out).all() and torch.isnan(p.v.detach()[~p.valid_kv]).all()
     out.backward(torch.randn_like(out))
     assert torch.isfinite(p.v.grad).all() and torch.all(p.v.grad[~p.valid_kv] == 0)

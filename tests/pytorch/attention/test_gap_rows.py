@@ -17,6 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import transformer_engine.pytorch.attention.dot_product_attention.backends as backends
+from transformer_engine.pytorch.attention import backend_scope
+from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention.dot_product_attention import gap_rows
 from transformer_engine.pytorch.attention.dot_product_attention.gap_rows import FA4_MAX_TILE_ROWS, unowned_rows
@@ -156,7 +158,9 @@ def fake_fa4_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_kv, used_q, used_
     for oq, ok_, nq, nk in _sequences(cu_q, cu_kv, used_q, used_kv):
         if nq == 0:
             continue
-        tq, tk = _tile_rows(oq, nq, q.shape[0]), _tile_rows(ok_, nk, k.shape[0])
+        # Queries: the sequence's own rows (FA4 masks a tile's rows past its end); keys and
+        # values: whole tiles (masked scores still meet NaN there, 0 * NaN = NaN).
+        tq, tk = slice(oq, oq + nq), _tile_rows(ok_, nk, k.shape[0])
         leaves = [t[s].double().requires_grad_() for t, s in ((q, tq), (k, tk), (v, tk))]
         with torch.enable_grad():  # backward runs with grad mode off
             o = _emulated_attention(*leaves, nq, nk, scale, causal, left, right)
@@ -182,14 +186,9 @@ class _FakeOps:
 @pytest.fixture
 def fa4_on_cpu(monkeypatch):
     """DotProductAttention on the CPU through the real FA4 backend code, FA4 emulated."""
-    monkeypatch.setattr(backends, "ops", _FakeOps())
-
-    class Selection:
-        backend = backends.FlashAttentionV4
-
-    import transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention as dpa_module
-
-    monkeypatch.setattr(dpa_module, "require_backend", lambda params: Selection)
+    monkeypatch.setattr(kernel_ops, "ops", _FakeOps())
+    with backend_scope(force=backends.FlashAttentionV4):
+        yield
 
 
 LENGTHS, GAPS = [37, 5, 300, 20], [3, 290, 9, 0]  # seq 1's gap is longer than the guard's reach

@@ -105,17 +105,39 @@ def test_fused_projection_goes_through_as_qkv_layer(monkeypatch):
     assert "qkv_layer" in seen and seen["qkv_interleave_dim"] == -2 and "query_layer" not in seen
 
 
-def test_rope_uses_sliced_path_and_rotates():
+def _rotate_pairs(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """RoPE written as complex rotation: channel i pairs with channel i + D/2, and the pair
+    turns by angle[pos, i] (the rotate-half convention), [S, B, H, D] with angles [S, D/2]."""
+    half = x.shape[-1] // 2
+    z = torch.complex(x[..., :half], x[..., half:]) * torch.polar(torch.ones_like(angles), angles).view(x.shape[0], 1, 1, half)
+    return torch.cat([z.real, z.imag], dim=-1)
+
+
+def test_rope_uses_sliced_path_and_rotates(monkeypatch):
     torch.manual_seed(2)
     mha = MultiheadAttention(HID, H, attention_dropout=0.0, fuse_qkv_params=True, device="cpu", params_dtype=torch.float64)
     x = torch.randn(6, 1, HID, dtype=torch.float64)
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
-    freqs = torch.outer(torch.arange(6, dtype=torch.float64), inv)
-    freqs = torch.cat([freqs, freqs], dim=-1).view(6, 1, 1, D)
-    zero = torch.zeros_like(freqs)
+    angles = torch.outer(torch.arange(6, dtype=torch.float64), inv)
+    freqs = torch.cat([angles, angles], dim=-1).view(6, 1, 1, D)
+    seen = []
+    real = mha.core_attention.forward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mha.core_attention, "forward", spy)
     plain = mha(x)
-    assert torch.allclose(mha(x, rotary_pos_emb=zero), plain)  # angle 0 is the identity
-    assert not torch.allclose(mha(x, rotary_pos_emb=freqs), plain)
+    assert "qkv_layer" in seen[0]  # no RoPE: the packed layer goes through whole
+    torch.testing.assert_close(mha(x, rotary_pos_emb=torch.zeros_like(freqs)), plain)  # angle 0 is the identity
+    mha(x, rotary_pos_emb=freqs)
+    q, k, v = seen[0]["qkv_layer"].unbind(-2 if seen[0]["qkv_interleave_dim"] == -2 else -3)
+    rotated = seen[-1]
+    assert "qkv_layer" not in rotated  # RoPE acts on q and k separately: the sliced path
+    torch.testing.assert_close(rotated["query_layer"], _rotate_pairs(q, angles), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(rotated["key_layer"], _rotate_pairs(k, angles), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(rotated["value_layer"], v, rtol=0, atol=0)
 
 
 def test_bad_normalization():

@@ -40,7 +40,7 @@ def test_qkv_layer_equals_separate(fmt, dim):
     kw = _thd_kwargs() if fmt == "thd" else {}
     dpa = _dpa(fmt, H)
     out = dpa(qkv_layer=qkv, qkv_interleave_dim=dim, **kw)
-    assert dpa.last_selection is not None
+    assert dpa.last_selection.label == "UnfusedDotProductAttention"
     sep = [qkv.detach().select(dim, i).clone().requires_grad_() for i in range(3)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # separate tensors never warn

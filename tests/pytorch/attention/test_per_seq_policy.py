@@ -81,7 +81,7 @@ def test_uniform_policy_is_exactly_the_scalar_path():
     scalar = dpa(p.q, p.k, p.v, attn_mask_type="padding_causal", **kw)
     policy = dpa(p.q, p.k, p.v, attn_mask_type_per_seq={"padding_causal": _ids(*range(6)), "padding": _ids()}, **kw)
     assert torch.equal(scalar, policy)
-    assert dpa.last_selection.backend is not None
+    assert dpa.last_selection.label == "UnfusedDotProductAttention"
 
 
 def test_empty_batch():

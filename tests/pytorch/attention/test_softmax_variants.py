@@ -13,7 +13,9 @@ import torch
 
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention.dot_product_attention import AttentionParams, get_attention_backend
+from transformer_engine.pytorch.attention import backend_scope
 from transformer_engine.pytorch.attention.dot_product_attention import backends
+from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
 from transformer_engine.pytorch.attention.dot_product_attention.libraries import InstalledLibraries
 from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType
 
@@ -362,17 +364,12 @@ class _SinkFA4:
 @pytest.fixture
 def fa4_with_sinks(monkeypatch):
     from transformer_engine.pytorch.attention.dot_product_attention import gap_rows
-    import transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention as dpa_module
-
     _SinkFA4.calls = []
     _SinkFA4.zero_gap_rows = staticmethod(gap_rows.zero_gap_rows)
     _SinkFA4.zero_gap_rows_qkv = staticmethod(gap_rows.zero_gap_rows_qkv)
-    monkeypatch.setattr(backends, "ops", _SinkFA4())
-
-    class Selection:
-        backend = backends.FlashAttentionV4
-
-    monkeypatch.setattr(dpa_module, "require_backend", lambda params: Selection)
+    monkeypatch.setattr(kernel_ops, "ops", _SinkFA4())
+    with backend_scope(force=backends.FlashAttentionV4):
+        yield
 
 
 @pytest.mark.parametrize("policies", [False, True])

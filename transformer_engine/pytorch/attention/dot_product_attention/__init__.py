@@ -3,12 +3,14 @@
 from .dot_product_attention import DotProductAttention
 from .masks import AttnMaskType
 from .params import AttentionParams
-from .utils import BackendSelection, explain_backends, get_attention_backend, get_qkv_layout, support_matrix_markdown
+from .layouts import get_qkv_layout
+from .selection import BackendSelection, backend_scope, explain_backends, get_attention_backend, support_matrix_markdown
 
 __all__ = [
     "AttentionParams",
     "AttnMaskType",
     "BackendSelection",
+    "backend_scope",
     "DotProductAttention",
     "explain_backends",
     "get_attention_backend",

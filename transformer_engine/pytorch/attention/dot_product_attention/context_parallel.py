@@ -278,7 +278,7 @@ def _select_kernel(dpa, q, k, v, call: CPCall):
     """The local kernel for ring/all-gather steps: the first backend (in preference order)
     that supports this call with context parallelism and has a CP kernel."""
     from .params import AttentionParams
-    from .utils import require_backend
+    from .selection import require_backend
     from .libraries import compute_capability
 
     prob = call.problem

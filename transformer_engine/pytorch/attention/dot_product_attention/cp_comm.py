@@ -11,16 +11,17 @@ and runs only when NVTE_CP_HOST_STAGING=1 selects it explicitly.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from .environment import CP_HOST_STAGING
+
 
 def host_staging_selected() -> bool:
-    return os.getenv("NVTE_CP_HOST_STAGING", "0") == "1"
+    return CP_HOST_STAGING.get("0") == "1"
 
 
 @dataclass

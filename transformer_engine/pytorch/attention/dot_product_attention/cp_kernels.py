@@ -22,7 +22,8 @@ from typing import Tuple
 
 import torch
 
-from .gpu_ops import ops, stats_shape
+from .backends import kernel_ops
+from .backends.cudnn import stats_shape
 from .masks import AttnMaskType, MaskSpec
 
 
@@ -152,7 +153,7 @@ class FA4CPKernel:
     def forward(q, k, v, qs, ks, mask, scale):
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-        ops.fa4_fwd(q, k, v, out, lse, qs.offsets, ks.offsets, qs.lengths, ks.lengths, qs.max_len, ks.max_len, scale,
+        kernel_ops.ops.fa4_fwd(q, k, v, out, lse, qs.offsets, ks.offsets, qs.lengths, ks.lengths, qs.max_len, ks.max_len, scale,
                     *_fa_window(mask))
         lse = torch.where(qs.covered.view(1, -1), lse, float("-inf"))
         return _rows_zero(out, qs.covered), lse
@@ -161,7 +162,7 @@ class FA4CPKernel:
     def backward(dout, q, k, v, out, lse, qs, ks, mask, scale):
         dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
         # The kernel reads lse of covered rows only; -inf elsewhere is never read.
-        ops.fa4_bwd(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, qs.offsets, ks.offsets, qs.lengths, ks.lengths,
+        kernel_ops.ops.fa4_bwd(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, qs.offsets, ks.offsets, qs.lengths, ks.lengths,
                     qs.max_len, ks.max_len, scale, *_fa_window(mask), torch.are_deterministic_algorithms_enabled())
         return _rows_zero(dq, qs.covered), _rows_zero(dk, ks.covered), _rows_zero(dv, ks.covered)
 
@@ -188,7 +189,7 @@ class CudnnCPKernel:
 
     @classmethod
     def forward(cls, q, k, v, qs, ks, mask, scale):
-        out, stats = ops.cudnn_fwd(q, k, v, *cls._args(qs, ks, mask, scale))
+        out, stats = kernel_ops.ops.cudnn_fwd(q, k, v, *cls._args(qs, ks, mask, scale))
         b, h, sq, _ = stats.shape
         flat = stats.view(b, h, sq).permute(1, 0, 2).reshape(h, b * sq)
         lse = flat[:, cls._stat_index(qs, b, sq)]
@@ -203,7 +204,7 @@ class CudnnCPKernel:
         index = index.clamp(0, q.shape[0] - 1)
         stats = lse[:, index.flatten()].view(h, b, sq).permute(1, 0, 2).reshape(*stats_shape(q, b, sq)).contiguous()
         dout = dout if dout.stride() == out.stride() else dout.contiguous()
-        dq, dk, dv, _ = ops.cudnn_bwd(dout, q, k, v, out, stats, *cls._args(qs, ks, mask, scale),
+        dq, dk, dv, _ = kernel_ops.ops.cudnn_bwd(dout, q, k, v, out, stats, *cls._args(qs, ks, mask, scale),
                                       torch.are_deterministic_algorithms_enabled())
         return _rows_zero(dq, qs.covered), _rows_zero(dk, ks.covered), _rows_zero(dv, ks.covered)
 

@@ -13,6 +13,7 @@ import torch
 import torch.utils.checkpoint
 
 from .context_parallel import context_parallel_forward, make_cp_config
+from .environment import compiling
 from .libraries import compute_capability
 from .fast_path import call_key, lookup, new_inputs, recipe_of, remember
 from .masks import AttnMaskType, MaskSpec, normalize_window
@@ -21,7 +22,7 @@ from .params import AttentionInputs, AttentionParams, params_key
 from .support import SOFTMAX_TYPES
 from .per_seq_policy import SeqPolicies, from_is_causal, from_mask_type_dict
 from .thd import check_cu_seqlens, check_unpadded_offsets, checked_or_safe, infer_pad_between_seqs, make_packed, value_checks_on
-from .utils import BACKENDS_BY_LABEL, chosen_backend_label, require_backend
+from .selection import BACKENDS_BY_LABEL, chosen_backend_label, require_backend
 from .validation import (check_bias, check_bottom_right_diagonal, check_format, check_kv_channels, check_mask_and_format, check_num_splits,
                          check_qkv, check_softmax_scale, dense_padding)
 
@@ -214,7 +215,7 @@ class DotProductAttention(torch.nn.Module):
         return self.get_rng_state_tracker().fork()
 
     def _select(self, params: AttentionParams):
-        if torch.compiler.is_compiling():
+        if compiling():
             return BACKENDS_BY_LABEL[chosen_backend_label(params_key(params))]
         selection = require_backend(params)
         # What ran, and why not the others (for reports). Set past nn.Module.__setattr__, which

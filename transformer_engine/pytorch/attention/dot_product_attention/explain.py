@@ -14,7 +14,7 @@ import torch
 from .libraries import InstalledLibraries, installed_libraries
 from .masks import AttnMaskType, normalize_window
 from .params import AttentionParams
-from .utils import get_attention_backend, support_matrix_markdown
+from .selection import get_attention_backend, support_matrix_markdown
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 

@@ -28,7 +28,8 @@ from .masks import MaskSpec
 from .packed_qkv import ResolvedQKV, split_packed
 from .params import AttentionInputs
 from .thd import PackedSeqs, checked_or_safe, validation_enabled
-from .utils import env_snapshot, stride_rules_out_packing
+from .environment import compiling, env_snapshot
+from .layouts import stride_rules_out_packing
 
 # A module meets few distinct signatures (one per layer shape and mode); a full cache is
 # emptied rather than managed, which only costs the next calls a full path each.
@@ -129,7 +130,7 @@ def call_key(module, qkv_format, layers, interleave_dim, cus, max_seqlens, attn_
 
     ``layers`` = (query, key, value, qkv_layer, kv_layer); ``cus`` = (cu_seqlens_q,
     cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded); ``max_seqlens`` = (q, kv)."""
-    if torch.compiler.is_compiling() or validation_enabled():
+    if compiling() or validation_enabled():
         return None
     if not _exact_window(window_size):
         return None  # (2.0, 0) equals (2, 0) as a key: the full path must see (and reject) it

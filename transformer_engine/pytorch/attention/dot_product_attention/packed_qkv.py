@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .utils import get_qkv_layout, layout_string
+from .layouts import get_qkv_layout, layout_string
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,12 @@ the same data answers "why not FlashAttention?" and renders the README's support
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import ClassVar, FrozenSet, List, Optional, Tuple
 
 import torch
 
+from .environment import backend_switch_on
 from .libraries import InstalledLibraries
 from .masks import AttnMaskType
 from .params import AttentionParams
@@ -43,7 +43,7 @@ class Reason:
 
 def env_enabled(name: str) -> bool:
     """NVTE_* switches: '0' turns a backend off; anything else (or unset) leaves it on."""
-    return os.getenv(name, "1") != "0"
+    return backend_switch_on(name)
 
 
 class BackendSupport:
@@ -210,6 +210,16 @@ class BackendSupport:
             "softmax_type": ", ".join(t for t in SOFTMAX_TYPES if t in cls.SUPPORTED_SOFTMAX_TYPES),
             "return_max_logit": yes(cls.SUPPORTS_RETURN_MAX_LOGIT),
         }
+
+
+def bias_thd_reasons(params) -> List[Reason]:
+    """A bias tensor has no packed layout: thd takes no_bias or alibi (unfused and cuDNN)."""
+    if params.qkv_format == "thd" and params.core_attention_bias_type in ("pre_scale_bias", "post_scale_bias"):
+        # Named by format: FusedAttention's note on core_attention_bias_type (pre- vs
+        # post-scale) would not explain this one.
+        return [Reason("qkv_format", f"thd with {params.core_attention_bias_type}",
+                       "bshd or sbhd for a bias tensor (it has no packed layout; thd takes no_bias or alibi)")]
+    return []
 
 
 def _fmt(values) -> str:

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .environment import Switch
+from .environment import VALIDATE, compiling
 
 
 def check_cu_seqlens(name: str, t: Optional[torch.Tensor], batch_size: Optional[int] = None, device=None) -> None:
@@ -52,19 +52,16 @@ def infer_pad_between_seqs(
     return not (same(cu_seqlens_q_padded, cu_seqlens_q) and same(cu_seqlens_kv_padded, cu_seqlens_kv))
 
 
-_VALIDATE = Switch("NVTE_ATTN_VALIDATE")
-
-
 def validation_enabled() -> bool:
     """Value checks that need a device-to-host sync run only when NVTE_ATTN_VALIDATE=1."""
-    return _VALIDATE.get("0") == "1"
+    return VALIDATE.get("0") == "1"
 
 
 def value_checks_on(device: torch.device) -> bool:
     """Whether checks that read tensor values run for tensors on ``device``: always on the CPU
     (reading a value costs nothing there), on CUDA only under NVTE_ATTN_VALIDATE=1 (each one is
     a device-to-host sync). Never while torch.compile traces: a value read would break the graph."""
-    if torch.compiler.is_compiling():
+    if compiling():
         return False
     return device.type == "cpu" or validation_enabled()
 

@@ -29,14 +29,13 @@ than the tensor holding it), so a huge declared max_seqlen with few tokens stays
 from __future__ import annotations
 
 import math
-import os
 from typing import Callable, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from .environment import Switch
+from .environment import UNFUSED_MAX_SCORES, UNFUSED_THD_GATHER, compiling
 from .masks import band_allowed
 from .params import AttentionInputs
 from .thd import PackedSeqs
@@ -45,7 +44,7 @@ IntOrTensor = Union[int, torch.Tensor]
 # (first query row, end row) -> (allowed [B'|1, H'|1, rows, SKV] bool or None, bias or None)
 RowMasks = Callable[[int, int], Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]
 
-MAX_SCORES = Switch("NVTE_UNFUSED_ATTN_MAX_SCORES")
+MAX_SCORES = UNFUSED_MAX_SCORES
 DEFAULT_MAX_SCORES = 1 << 26
 
 
@@ -56,8 +55,8 @@ def unfused_attention(inp: AttentionInputs, training: bool) -> torch.Tensor:
         out, max_logit = _dense(inp, training)
     else:
         # Under torch.compile the gathered path traces (the per-sequence loop reads offsets).
-        per_sequence = inp.q.device.type == "cpu" and not torch.compiler.is_compiling()
-        if per_sequence and os.getenv("NVTE_UNFUSED_THD_GATHER", "0") != "1":
+        per_sequence = inp.q.device.type == "cpu" and not compiling()
+        if per_sequence and UNFUSED_THD_GATHER.get("0") != "1":
             out, max_logit = _thd_per_sequence(inp, training)
         else:
             out, max_logit = _thd_gathered(inp, training)

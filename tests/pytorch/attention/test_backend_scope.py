@@ -1,0 +1,160 @@
+"""The selection seam: ``backend_scope(allow=..., force=...)`` restricts or forces backends for a
+``with`` block, restores the previous scope on exit (exceptions included), is per thread, and
+is part of the selection and fast-path keys. Also: the GPU test helper fails when the backend it
+was asked for is not the one that ran, and the old module paths forward assignments."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+
+from transformer_engine.pytorch import DotProductAttention
+from transformer_engine.pytorch.attention import backend_scope
+from transformer_engine.pytorch.attention.dot_product_attention import AttentionParams, get_attention_backend
+from transformer_engine.pytorch.attention.dot_product_attention.environment import BackendScope, current_scope
+from transformer_engine.pytorch.attention.dot_product_attention.libraries import InstalledLibraries
+from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType as M
+from transformer_engine.pytorch.attention.dot_product_attention.selection import NoBackendError, require_backend
+
+from .gpu_helpers import run_on
+
+ALL = InstalledLibraries(flash_attn_2="2.7.4", flash_attn_3=None, flash_attn_4="4.0.0b36", cudnn_frontend="1.32.0")
+H200_THD = AttentionParams(qkv_format="thd", attn_mask_type=M.PADDING_CAUSAL, window_size=(-1, 0), head_dim_qk=128,
+                           head_dim_v=128)
+
+
+def _qkv():
+    return [torch.randn(2, 5, 2, 8) for _ in range(3)]
+
+
+def test_allow_restricts_the_candidates_and_names_itself_in_the_reasons():
+    assert get_attention_backend(H200_THD, ALL).label == "FlashAttention v4"
+    with backend_scope(allow=["cudnn", "unfused"]):
+        selection = get_attention_backend(H200_THD, ALL)
+    assert selection.label == "FusedAttention"
+    assert [str(r) for r in selection.reasons_for("FlashAttention v4")] == [
+        "backend_scope=allow=['FusedAttention', 'UnfusedDotProductAttention'] "
+        "(supported: an allow list containing 'FlashAttention v4')"]
+    assert get_attention_backend(H200_THD, ALL).label == "FlashAttention v4"  # restored
+
+
+def test_allow_with_nothing_fitting_raises_with_every_reason():
+    params = replace(H200_THD, device_type="cpu", compute_capability=None)
+    with backend_scope(allow=["fa4"]), pytest.raises(NoBackendError) as err:
+        require_backend(params)
+    text = str(err.value)
+    assert "FlashAttention v4: " in text and "device=cpu (supported: cuda)" in text
+    assert "UnfusedDotProductAttention: backend_scope=allow=['FlashAttention v4']" in text
+
+
+def test_force_runs_the_named_backend_without_its_declaration():
+    params = replace(H200_THD, device_type="cpu", compute_capability=None)
+    with backend_scope(force="fa3"):
+        selection = get_attention_backend(params, ALL)
+    assert selection.label == "FlashAttention v3"
+    # What it would have refused is still reported, and the others say why they did not run.
+    assert "device=cpu (supported: cuda)" in "; ".join(map(str, selection.reasons_for("FlashAttention v3")))
+    assert [r.field for r in selection.reasons_for("UnfusedDotProductAttention")] == ["backend_scope"]
+
+
+def test_scopes_nest_and_restore_on_exit_and_on_error():
+    assert current_scope() is None
+    with backend_scope(force="unfused") as outer:
+        assert current_scope() == outer == BackendScope(None, "UnfusedDotProductAttention")
+        with pytest.raises(RuntimeError), backend_scope(allow=["cudnn"]):
+            assert current_scope() == BackendScope(frozenset({"FusedAttention"}), None)
+            raise RuntimeError("leave the block")
+        assert current_scope() == outer
+    assert current_scope() is None
+
+
+def test_scope_is_per_thread():
+    seen = []
+    entered, release = threading.Event(), threading.Event()
+
+    def other():
+        entered.wait()
+        seen.append(current_scope())
+        release.set()
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    with backend_scope(allow=["fa4"]):
+        entered.set()
+        release.wait()
+    worker.join()
+    assert seen == [None]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(allow=["fa5"]), "allow names an unknown backend: got 'fa5'; accepted: a backend class, ['FlashAttention v2'"),
+    (dict(force=3), "force names an unknown backend: got 3; accepted"),
+    (dict(force=int), "force names an unknown backend: got <class 'int'>"),
+])
+def test_unknown_names_are_rejected_with_what_is_accepted(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        backend_scope(**kwargs)
+    assert message in str(err.value)
+
+
+def test_the_fast_path_sees_the_scope():
+    """Same module, same host facts: entering a scope must change the selection at once."""
+    dpa = DotProductAttention(2, 8)
+    q, k, v = _qkv()
+    dpa(q, k, v)
+    dpa(q, k, v)  # a fast-path hit
+    assert dpa.last_selection.label == "UnfusedDotProductAttention"
+    with backend_scope(allow=["cudnn"]), pytest.raises(NoBackendError, match="FusedAttention: .*device=cpu"):
+        dpa(q, k, v)
+    dpa(q, k, v)
+    assert dpa.last_selection.label == "UnfusedDotProductAttention"
+
+
+# ---------------------------------------------------------------------------------- run_on
+
+
+def test_run_on_fails_when_the_backend_refuses():
+    dpa = DotProductAttention(2, 8)
+    with pytest.raises(pytest.fail.Exception, match="FusedAttention refused a configuration this test expects it to run"):
+        run_on("FusedAttention", dpa, *_qkv())
+
+
+def test_run_on_skips_only_an_expected_refusal():
+    dpa = DotProductAttention(2, 8)
+    with pytest.raises(pytest.skip.Exception, match="as expected"):
+        run_on("FusedAttention", dpa, *_qkv(), expect_refusal="device=cpu")
+    with pytest.raises(pytest.fail.Exception, match="refused, but not for 'attention_mask='"):
+        run_on("FusedAttention", dpa, *_qkv(), expect_refusal="attention_mask=")
+
+
+def test_run_on_fails_when_an_expected_refusal_does_not_happen():
+    dpa = DotProductAttention(2, 8)
+    with pytest.raises(pytest.fail.Exception, match="ran a configuration the test expected it to refuse"):
+        run_on("unfused", dpa, *_qkv(), expect_refusal="device=cpu")
+
+
+def test_run_on_runs_the_named_backend():
+    dpa = DotProductAttention(2, 8)
+    q, k, v = _qkv()
+    torch.testing.assert_close(run_on("unfused", dpa, q, k, v), dpa(q, k, v))
+    assert dpa.last_selection.label == "UnfusedDotProductAttention"
+
+
+# ---------------------------------------------------------------------------------- old paths
+
+
+def test_old_module_paths_forward_assignments(monkeypatch):
+    from transformer_engine.pytorch.attention.dot_product_attention import backends, gpu_ops
+    from transformer_engine.pytorch.attention.dot_product_attention.backends import cudnn, kernel_ops
+
+    monkeypatch.setattr(gpu_ops, "MAX_GRAPHS", 3)
+    assert cudnn.MAX_GRAPHS == 3
+    fake = object()
+    monkeypatch.setattr(backends, "ops", fake)
+    assert kernel_ops.ops is fake
+    monkeypatch.undo()
+    assert cudnn.MAX_GRAPHS == 256 and isinstance(kernel_ops.ops, kernel_ops.KernelOps)
+    assert gpu_ops._cached is cudnn._cached and gpu_ops._graphs is cudnn._graphs

@@ -1,0 +1,229 @@
+"""flash-attn-4 (``flash_attn.cute``): its support declaration, the translation of a call into
+its arguments (:class:`_FA4Kernel`) and the registered ops around the library.
+
+The FA4 ops write into caller-provided buffers (``out``/``lse``, ``dq``/``dk``/``dv``): FA4 leaves
+the rows it skips unwritten, so the calls for several mask policies share one set of buffers
+and the caller zeroes the rows no sequence owns (``gap_rows.zero_gap_rows``). ``lse`` None
+runs FA4's inference variant, which stores no log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Optional
+
+import torch
+
+from ..params import AttentionInputs
+from ..support import SOFTMAX_TYPES, Reason
+from . import kernel_ops
+from .flash_common import FlashAttention, fa_mask_args
+from .kernel_autograd import run_kernel
+from .varlen import VarlenCall, VarlenPlan, plan_varlen
+
+
+_INTERFACE = "flash_attn.cute.interface"
+
+
+def _library():
+    """flash-attn-4's interface module, imported on first use. Later calls find it in
+    sys.modules: an import statement costs about 1 us a call (measured on a CPU core)."""
+    return sys.modules.get(_INTERFACE) or importlib.import_module(_INTERFACE)
+
+
+def _opt(w: int) -> Optional[int]:
+    return None if w < 0 else w
+
+
+def _shared_kwargs(cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q, max_seqlen_kv, softmax_scale, causal,
+                   window_left, window_right, learnable_sink) -> dict:
+    """The keywords ``_flash_attn_fwd`` and ``_flash_attn_bwd`` (flash-attn-4 4.0.0b36) share.
+    The callers add theirs to this dict and pass it once: building one dict costs ~0.4 us less
+    than merging two into a call (measured on a CPU core; FA4 calls are on the host's hot path)."""
+    varlen = cu_seqlens_q is not None
+    kwargs = {
+        "cu_seqlens_q": cu_seqlens_q,
+        "cu_seqlens_k": cu_seqlens_kv,
+        "seqused_q": seqused_q,
+        "seqused_k": seqused_kv,
+        "max_seqlen_q": max_seqlen_q if varlen else None,
+        "max_seqlen_k": max_seqlen_kv if varlen else None,
+        "softmax_scale": softmax_scale,
+        "causal": causal,
+        "window_size_left": _opt(window_left),
+        "window_size_right": _opt(window_right),
+    }
+    if learnable_sink is not None:  # only when given: FA4 releases before the sink backward lack it
+        kwargs["learnable_sink"] = learnable_sink
+    return kwargs
+
+
+def fa4_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: Optional[torch.Tensor],
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_kv: Optional[torch.Tensor],
+    seqused_q: Optional[torch.Tensor],
+    seqused_kv: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    learnable_sink: Optional[torch.Tensor] = None,
+) -> None:
+    """``learnable_sink`` [H] float32: one extra logit per head in each softmax denominator
+    (after scaling), with no value; None for the vanilla softmax.
+
+    Calls the library's private ``_flash_attn_fwd``, by keyword: its public ``flash_attn_func``
+    and ``flash_attn_varlen_func`` run their own autograd and take no output buffers."""
+    kwargs = _shared_kwargs(cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
+                            causal, window_left, window_right, learnable_sink)
+    kwargs["q"], kwargs["k"], kwargs["v"] = q, k, v
+    kwargs["return_lse"], kwargs["out"], kwargs["lse"] = lse is not None, out, lse
+    _library()._flash_attn_fwd(**kwargs)
+
+
+def _fa4_fwd_fake(q, k, v, out, lse, *args) -> None:
+    return None
+
+
+kernel_ops.register("fa4_fwd", fa4_fwd, ("out", "lse"), _fa4_fwd_fake)
+
+
+def fa4_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_kv: Optional[torch.Tensor],
+    seqused_q: Optional[torch.Tensor],
+    seqused_kv: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    deterministic: bool,
+    learnable_sink: Optional[torch.Tensor] = None,
+    dsink: Optional[torch.Tensor] = None,
+) -> None:
+    """With ``learnable_sink`` (the forward's), this call's sink gradient is ADDED to ``dsink``
+    (calls for several mask policies each reduce over their own rows). Calls the library's
+    private ``_flash_attn_bwd`` by keyword (no public backward takes gradient buffers)."""
+    kwargs = _shared_kwargs(cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
+                            causal, window_left, window_right, learnable_sink)
+    kwargs["q"], kwargs["k"], kwargs["v"], kwargs["out"], kwargs["dout"], kwargs["lse"] = q, k, v, out, dout, lse
+    kwargs["softcap"] = 0.0  # no logit soft-capping (TE has none)
+    kwargs["deterministic"], kwargs["dq"], kwargs["dk"], kwargs["dv"] = deterministic, dq, dk, dv
+    grads = _library()._flash_attn_bwd(**kwargs)
+    if dsink is not None:
+        dsink.add_(grads[3])
+
+
+def _fa4_bwd_fake(dout, q, k, v, out, lse, dq, dk, dv, *args) -> None:
+    return None
+
+
+kernel_ops.register("fa4_bwd", fa4_bwd, ("dq", "dk", "dv", "dsink"), _fa4_bwd_fake)
+
+
+class FlashAttentionV4(FlashAttention):
+    """flash-attn-4 (``flash_attn.cute``): Hopper and Blackwell, JIT-compiled CuTe kernels."""
+
+    VERSION = 4
+    ENV_VARS = ("NVTE_FLASH_ATTN", "NVTE_FLASH_ATTN_V4")
+    LIBRARY = "flash_attn_4"
+    COMPUTE_CAPABILITY_MAJORS = frozenset({9, 10})
+    SUPPORTS_PAD_BETWEEN_SEQS = True
+    SUPPORTS_PER_SEQ_POLICY = True
+    # flash-attn-4 (4.0.0b36) takes ``learnable_sink`` [H] in the forward and returns its
+    # gradient from the backward (dense and varlen, sm90 and sm10x); off-by-one is a sink of 0.
+    SUPPORTED_SOFTMAX_TYPES = frozenset(SOFTMAX_TYPES)
+    NOTES = {field: note for field, note in FlashAttention.NOTES.items() if field != "softmax_type"}
+    CP_COMM_TYPES = frozenset({"p2p", "all_gather", "a2a", "a2a+p2p"})
+
+    @classmethod
+    def _check_special(cls, params, libs):
+        cc = params.compute_capability
+        dims = (params.head_dim_qk, params.head_dim_v)
+        if cc is not None and cc[0] == 10 and max(dims) > 128 and dims != (256, 256):
+            return [Reason("head_dim_qk", str(params.head_dim_qk), "<= 128 or (256, 256) on sm10x")]
+        if cc is not None and cc[0] == 10 and dims == (256, 256) and params.softmax_type != "vanilla" and params.requires_grad:
+            return [Reason("softmax_type", repr(params.softmax_type),
+                           "vanilla with head dim 256 on sm10x when gradients are needed (FA4's dedicated hd256 backward has no sink)")]
+        if cc is not None and cc[0] == 9 and params.requires_grad and dims[0] != dims[1]:
+            # Probed on the H200 (benchmarks/results/2026-12-03-h200/probe_fa4.log): the forward
+            # runs, the backward refuses (GQA) or exceeds shared memory at launch.
+            return [Reason("head_dim_v", f"{dims[1]} != head_dim_qk={dims[0]} with gradients",
+                           "head_dim_v == head_dim_qk for the backward on sm9x (the forward alone runs either)")]
+        return []
+
+    @staticmethod
+    def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
+        return run_kernel(_FA4Kernel, inp, plan_varlen(inp) if inp.is_thd else None, training)
+
+
+class _FA4Kernel:
+    """Argument translation for flash_attn.cute (FA4): physical offsets as cu_seqlens, valid
+    lengths as seqused_q/k; the log-sum-exp is [H, T] (varlen) or [B, H, S] (dense).
+
+    FA4 leaves the rows it skips unwritten in the forward and in dQ/dK/dV, so the calls of all
+    policies write their own rows of one buffer each, and only the rows no sequence owns (gaps,
+    the tail) are zeroed, by ``zero_gap_rows``: no memset of the whole buffer, no combining pass
+    (the GPU tests assert those zeros, and that skipped rows of other policies stay 0)."""
+
+    SANITIZE_GAPS = True
+
+    @staticmethod
+    def forward(q, k, v, features, inp, plan, calls, need_lse):  # features: none declared (no bias, ALiBi, dropout)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        lse = None
+        if need_lse:  # without it FA4 runs its inference variant (no LSE store)
+            shape = (q.shape[-2], q.shape[0]) if plan is not None else (q.shape[0], q.shape[2], q.shape[1])
+            lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+        sink = {} if features.sink is None else {"learnable_sink": features.sink}
+        for call in calls:
+            kernel_ops.ops.fa4_fwd(q, k, v, out, lse, *_FA4Kernel._varlen(inp, plan, call), inp.softmax_scale,
+                                   *fa_mask_args(call.spec), **sink)
+        if plan is not None:
+            kernel_ops.ops.zero_gap_rows(out, inp.packed_q.cu_seqlens, plan.offsets_q, -1)
+        return out, [lse]
+
+    @staticmethod
+    def backward(dout, q, k, v, out, stats, features, need_dbias, inp, plan, calls):
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        dsink, sink = None, {}
+        if features.sink is not None:
+            # Each policy's call adds the sum over its own rows (FA4 reduces -exp(sink - lse) *
+            # rowsum(dO * O) over the rows it runs).
+            dsink = torch.zeros_like(features.sink)
+            sink = {"learnable_sink": features.sink, "dsink": dsink}
+        for call in calls:
+            kernel_ops.ops.fa4_bwd(dout, q, k, v, out, stats[0], dq, dk, dv, *_FA4Kernel._varlen(inp, plan, call),
+                                   inp.softmax_scale, *fa_mask_args(call.spec), torch.are_deterministic_algorithms_enabled(),
+                                   **sink)
+        if plan is not None:
+            kernel_ops.ops.zero_gap_rows_qkv(dq, dk, dv, inp.packed_q.cu_seqlens, plan.offsets_q,
+                                             inp.packed_kv.cu_seqlens, plan.offsets_kv, -1)
+        return dq, dk, dv, None, dsink
+
+    @staticmethod
+    def _varlen(inp: AttentionInputs, plan: Optional[VarlenPlan], call: VarlenCall):
+        if plan is None:
+            return None, None, None, None, inp.q.shape[1], inp.k.shape[1]
+        return (plan.offsets_q, plan.offsets_kv, call.seqused_q, call.seqused_kv,
+                inp.packed_q.max_seqlen, inp.packed_kv.max_seqlen)
+

@@ -1,0 +1,38 @@
+"""The unfused backend's declaration: pure PyTorch, every feature, every device. The
+computation itself is :mod:`..unfused` (the reference the other backends are checked against)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..masks import AttnMaskType
+from ..params import AttentionInputs
+from ..support import ALL_FLOAT, SOFTMAX_TYPES, BackendSupport, bias_thd_reasons
+from ..unfused import unfused_attention
+
+
+class UnfusedDotProductAttention(BackendSupport):
+    """Pure PyTorch: every feature, every device; the reference the others are checked against."""
+
+    NAME = "UnfusedDotProductAttention"
+    ENV_VARS = ("NVTE_UNFUSED_ATTN",)
+    SUPPORTED_DEVICES = frozenset({"cpu", "cuda"})
+    SUPPORTED_DTYPES = ALL_FLOAT
+    SUPPORTED_MASK_TYPES = frozenset(AttnMaskType)
+    SUPPORTED_BIAS_TYPES = frozenset({"no_bias", "pre_scale_bias", "post_scale_bias", "alibi"})
+    MAX_HEAD_DIM = 1 << 16
+    HEAD_DIM_MULTIPLE = 1
+    SUPPORTS_DROPOUT = True
+    SUPPORTS_PAD_BETWEEN_SEQS = True
+    SUPPORTS_PER_SEQ_POLICY = True
+    SUPPORTED_SOFTMAX_TYPES = frozenset(SOFTMAX_TYPES)
+    SUPPORTS_RETURN_MAX_LOGIT = True
+    CP_COMM_TYPES = frozenset({"p2p", "all_gather", "a2a", "a2a+p2p"})
+
+    @classmethod
+    def _check_special(cls, params, libs):
+        return bias_thd_reasons(params)
+
+    @staticmethod
+    def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
+        return unfused_attention(inp, training)

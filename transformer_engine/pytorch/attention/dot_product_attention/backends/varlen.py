@@ -1,0 +1,183 @@
+"""THD routing: how a packed batch maps onto varlen kernel calls, which rows each call owns,
+how the calls' results are combined, and the NaN guard for kernels that read whole tiles.
+
+Packed (THD) batches reach every GPU library the same way (:class:`VarlenPlan`): physical slot
+offsets as ``cu_seqlens``, valid lengths as per-sequence lengths (``seqused``), and one call per
+live mask policy in which the other policies' sequences have length 0. Rows no call owns (gaps
+between sequences, the tail, other policies' rows) come out exactly 0, forward and backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from ..environment import SANITIZE_GAPS, compiling
+from ..gap_rows import FA4_MAX_TILE_ROWS
+from ..masks import MaskSpec
+from ..params import AttentionInputs
+from ..thd import PackedSeqs
+from . import kernel_ops
+
+
+
+@dataclass
+class VarlenCall:
+    """One kernel call: its mask policy, and per-sequence valid lengths (None = from cu_seqlens)."""
+
+    policy: int
+    spec: MaskSpec
+    seqused_q: Optional[torch.Tensor]
+    seqused_kv: Optional[torch.Tensor]
+    # (len_q, len_kv) for kernels that always take lengths (cuDNN), made once per forward and
+    # reused by the backward.
+    lengths: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+
+@dataclass
+class VarlenPlan:
+    """How a packed batch maps onto varlen kernel calls: physical offsets and one call per live
+    policy (the other policies' sequences get length 0)."""
+
+    offsets_q: torch.Tensor
+    offsets_kv: torch.Tensor
+    calls: List[VarlenCall]
+    has_gaps: bool
+
+
+def plan_varlen(inp: AttentionInputs) -> VarlenPlan:
+    pq, pk = inp.packed_q, inp.packed_kv
+    policies = inp.policies
+    spec = inp.mask if policies is None else policies.uniform_spec()
+    gaps = pq.has_gaps or pk.has_gaps
+    if spec is not None:
+        if not gaps:
+            return VarlenPlan(pq.cu_seqlens, pk.cu_seqlens, [VarlenCall(0, spec, None, None)], False)
+        return VarlenPlan(pq.offsets, pk.offsets, [VarlenCall(0, spec, *_valid_lengths(pq, pk))], True)
+    len_q, len_kv = _valid_lengths(pq, pk)
+    calls = []
+    for p in policies.active():
+        mine = policies.seq_mask(p)
+        calls.append(VarlenCall(p, policies.specs[p], torch.where(mine, len_q, 0), torch.where(mine, len_kv, 0)))
+    return VarlenPlan(pq.offsets, pk.offsets, calls, gaps)
+
+
+def _valid_lengths(pq: PackedSeqs, pk: PackedSeqs) -> Tuple[torch.Tensor, torch.Tensor]:
+    len_q = pq.seqlens()
+    return len_q, len_q if pk.cu_seqlens is pq.cu_seqlens else pk.seqlens()
+
+
+def _row_owner(p: PackedSeqs, seq_policy: Optional[torch.Tensor]) -> torch.Tensor:
+    """[T] int64: the policy of each row's sequence (0 without policies), -1 where no sequence lives."""
+    if p.batch_size == 0:
+        return torch.full((p.total_tokens,), -1, dtype=torch.int64, device=p.offsets.device)
+    if seq_policy is None:
+        seq_policy = torch.zeros(p.batch_size, dtype=torch.int64, device=p.offsets.device)
+    seq = p.token_seq_ids().clamp(0, p.batch_size - 1)
+    return torch.where(p.token_valid(), seq_policy[seq], -1)
+
+
+def _owners(inp: AttentionInputs) -> Tuple[torch.Tensor, torch.Tensor]:
+    seq_policy = inp.policies.policy_of_seq if inp.policies is not None else None
+    return _row_owner(inp.packed_q, seq_policy), _row_owner(inp.packed_kv, seq_policy)
+
+
+def combine_rows(owner: torch.Tensor, parts: Sequence[Tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """Row r of the result is row r of the part whose policy owns it; unowned rows are 0."""
+    view = tuple(owner.shape) + (1,) * (parts[0][1].dim() - owner.dim())
+    result = torch.zeros((), dtype=parts[0][1].dtype, device=parts[0][1].device)
+    for policy, part in parts:
+        result = torch.where(owner.view(view) == policy, part, result)
+    return result
+
+
+class _MaskRowGrad(torch.autograd.Function):
+    """Identity forward; the backward keeps only rows where ``keep`` is True (others exactly 0).
+
+    Used around libraries with their own autograd, which allocate gradients without zeroing
+    the rows they skip."""
+
+    @staticmethod
+    def forward(ctx, x, keep):
+        ctx.save_for_backward(keep)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (keep,) = ctx.saved_tensors
+        return torch.where(keep.view(-1, *([1] * (grad.dim() - 1))), grad, 0), None
+
+
+def _gap_guard(plan: Optional[VarlenPlan], kernel) -> str:
+    """How the NaN guard of FA4 (and FA3) runs for this call: "inplace" (default), "copy", "off".
+
+    FA4 loads whole tiles, so the rows just past a sequence end enter its products with weight
+    0, and 0 * NaN = NaN: NaN in a gap would leak into valid rows (seen on the H200). The guard
+    zeroes the first FA4_MAX_TILE_ROWS unowned rows after each sequence (no kernel reads further).
+    In place, it writes only those rows of the caller's q/k/v, which belong to no sequence;
+    NVTE_FLASH_ATTN_SANITIZE_GAPS=copy works on copies instead (inputs untouched, one copy per
+    tensor); =0 skips the guard (gap rows known to be finite). Under torch.compile the guard
+    copies: an in-place write to graph inputs would become a copy there anyway."""
+    if plan is None or not plan.has_gaps or not kernel.SANITIZE_GAPS:
+        return "off"
+    mode = _SANITIZE_GAPS.get("1")
+    if mode == "0":
+        return "off"
+    if mode == "copy" or compiling():
+        return "copy"
+    return "inplace"
+
+
+_SANITIZE_GAPS = SANITIZE_GAPS
+
+
+def _zero_spill_rows(inp: AttentionInputs, q, k, v):
+    """Zero, in place, the rows of q/k/v that FA4 may load past each sequence end."""
+    pq, pk = inp.packed_q, inp.packed_kv
+    if k is v:  # one tensor passed as both: the registered fused op must not get it twice
+        kernel_ops.ops.zero_gap_rows(q, pq.cu_seqlens, pq.offsets, FA4_MAX_TILE_ROWS)
+        kernel_ops.ops.zero_gap_rows(k, pk.cu_seqlens, pk.offsets, FA4_MAX_TILE_ROWS)
+    else:
+        kernel_ops.ops.zero_gap_rows_qkv(q, k, v, pq.cu_seqlens, pq.offsets, pk.cu_seqlens, pk.offsets, FA4_MAX_TILE_ROWS)
+    return q, k, v
+
+
+def _zero_spill_rows_in_place(inp: AttentionInputs) -> None:
+    with torch.no_grad():
+        _zero_spill_rows(inp, inp.q.detach(), inp.k.detach(), inp.v.detach())
+    # The eager kernel writes through raw pointers; tell autograd the tensors changed, so a node
+    # that saved one of them before this call fails loudly instead of using the new values.
+    torch.autograd.graph.increment_version([inp.q, inp.k, inp.v])
+
+
+def guard_library_inputs(inp: AttentionInputs, plan: VarlenPlan, backend) -> AttentionInputs:
+    """FA4's NaN guard (see ``_gap_guard``) for a library with its own autograd: FA3 reads whole
+    tiles too. The copy variant clones under autograd, so gradients still reach the inputs."""
+    guard = _gap_guard(plan, backend)
+    if guard == "inplace":
+        _zero_spill_rows_in_place(inp)
+    elif guard == "copy":
+        copies = [t.clone() for t in (inp.q, inp.k, inp.v)]
+        with torch.no_grad():
+            _zero_spill_rows(inp, *(t.detach() for t in copies))
+        inp = dataclasses.replace(inp, q=copies[0], k=copies[1], v=copies[2])
+    return inp
+
+
+
+def run_library_varlen(inp: AttentionInputs, plan: VarlenPlan, call_fn) -> torch.Tensor:
+    """For libraries with their own autograd, which allocate outputs and gradients themselves
+    (skipped rows, the tail included, hold garbage): each call sees inputs whose gradient keeps
+    only that call's rows, and the outputs are combined row by row."""
+    owner_q, owner_kv = _owners(inp)
+    parts = []
+    for call in plan.calls:
+        q = _MaskRowGrad.apply(inp.q, owner_q == call.policy)
+        k = _MaskRowGrad.apply(inp.k, owner_kv == call.policy)
+        v = _MaskRowGrad.apply(inp.v, owner_kv == call.policy)
+        parts.append((call.policy, call_fn(q, k, v, inp, plan, call)))
+    return combine_rows(owner_q, parts)
+

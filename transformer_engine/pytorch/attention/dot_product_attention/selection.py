@@ -1,0 +1,171 @@
+"""Backend selection: a short loop over the backends' declarations in preference order.
+
+``get_attention_backend(params)`` returns the first backend that supports the configuration,
+with every other backend's reasons. Environment switches (``NVTE_FLASH_ATTN``,
+``NVTE_FUSED_ATTN``, ``NVTE_UNFUSED_ATTN``, ``NVTE_FLASH_ATTN_V2/_V3/_V4``) are read at each
+call and are part of the cache key, so flipping one takes effect at once. So is the
+:func:`backend_scope` in effect, the scoped way to restrict or force backends.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from typing import ContextManager, Dict, Iterable, Optional, Tuple, Union
+
+import torch
+
+from .backends import BACKENDS, backend_label
+from .environment import DEBUG_SLICE, BackendScope, env_snapshot, scoped
+from .libraries import InstalledLibraries, installed_libraries
+from .params import AttentionParams, params_from_key
+from .support import Reason
+
+logger = logging.getLogger("transformer_engine.attention")
+
+
+@dataclass(frozen=True)
+class BackendSelection:
+    """The chosen backend class (None if nothing fits) and why each other one was not chosen."""
+
+    backend: Optional[type]
+    reasons: Tuple[Tuple[str, Tuple[Reason, ...]], ...]
+
+    @property
+    def name(self) -> Optional[str]:
+        return None if self.backend is None else self.backend.NAME
+
+    @property
+    def label(self) -> Optional[str]:
+        return None if self.backend is None else backend_label(self.backend)
+
+    def reasons_for(self, label: str) -> Tuple[Reason, ...]:
+        return dict(self.reasons).get(label, ())
+
+    def report(self) -> str:
+        lines = [f"selected: {self.label or 'none'}"]
+        for label, reasons in self.reasons:
+            if label == self.label:
+                continue
+            why = "; ".join(map(str, reasons)) if reasons else "supported, but lower in the preference order"
+            lines.append(f"  {label}: {why}")
+        return "\n".join(lines)
+
+
+def get_attention_backend(params: AttentionParams, libraries: Optional[InstalledLibraries] = None) -> BackendSelection:
+    """Choose a backend for ``params``. ``libraries`` defaults to what is installed; tests pass a
+    fake to see what a GPU machine would choose."""
+    env = env_snapshot()
+    selection = _select(params, libraries or installed_libraries(), env)
+    debug, level = (os.fsdecode(x) if x is not None else "0" for x in env[DEBUG_SLICE])  # read by the snapshot already
+    if debug == "1" and int(level) >= 2:
+        logger.warning("attention backend for %s\n%s", params, selection.report())
+    return selection
+
+
+@functools.lru_cache(maxsize=1024)
+def _select(params: AttentionParams, libs: InstalledLibraries, env) -> BackendSelection:
+    # ``env`` is in the key so a changed switch misses the cache; its last entry is the scope.
+    scope = env[-1]
+    chosen, reasons = None, []
+    for backend in BACKENDS:
+        label = backend_label(backend)
+        why = tuple(backend.not_supported_reasons(params, libs)) + _scope_reasons(scope, label)
+        reasons.append((label, why))
+        if chosen is None and not why:
+            chosen = backend
+    if scope is not None and scope.force is not None:
+        chosen = BACKENDS_BY_LABEL[scope.force]  # its declaration is not consulted (see backend_scope)
+    return BackendSelection(chosen, tuple(reasons))
+
+
+def _scope_reasons(scope: Optional[BackendScope], label: str) -> Tuple[Reason, ...]:
+    if scope is None:
+        return ()
+    if scope.force is not None and scope.force != label:
+        return (Reason("backend_scope", f"force={scope.force!r}", f"force={label!r} to run this one"),)
+    if scope.allow is not None and label not in scope.allow:
+        return (Reason("backend_scope", f"allow={sorted(scope.allow)}", f"an allow list containing {label!r}"),)
+    return ()
+
+
+BackendName = Union[str, type]
+
+
+def backend_scope(allow: Optional[Iterable[BackendName]] = None, force: Optional[BackendName] = None) -> ContextManager:
+    """Restrict or force the attention backends inside a ``with`` block; the previous scope
+    comes back on exit. Scoped per thread and asyncio task (a context variable), and part of
+    the selection and fast-path cache keys, so entering one takes effect at the next call.
+
+    ``allow``: the backends selection may choose from, in the usual preference order; nothing
+    allowed fits -> ``NoBackendError`` listing every reason. ``force``: the one backend that
+    runs, without consulting its support declaration (for tests and for experts who know a
+    declaration is too strict; an unsupported configuration then fails in the library).
+    A backend is named by its class, its label ("FlashAttention v4", "FusedAttention",
+    "UnfusedDotProductAttention") or a short name ("fa4", "fa3", "fa2", "cudnn", "unfused").
+    A scope replaces the enclosing one; under torch.compile the scope at tracing time counts.
+
+    >>> with backend_scope(allow=["cudnn", "unfused"]):
+    ...     out = dpa(q, k, v)  # FA4 is not considered
+    """
+    allowed = None if allow is None else frozenset(_label_of("allow", name) for name in allow)
+    forced = None if force is None else _label_of("force", force)
+    return scoped(BackendScope(allowed, forced))
+
+
+_SHORT_NAMES = {"fa4": "FlashAttention v4", "fa3": "FlashAttention v3", "fa2": "FlashAttention v2",
+                "cudnn": "FusedAttention", "unfused": "UnfusedDotProductAttention"}
+
+
+def _label_of(argument: str, name: BackendName) -> str:
+    if isinstance(name, type) and name in BACKENDS:
+        return backend_label(name)
+    label = _SHORT_NAMES.get(name, name) if isinstance(name, str) else None
+    if label not in BACKENDS_BY_LABEL:
+        raise ValueError(f"{argument} names an unknown backend: got {name!r}; accepted: a backend class, "
+                         f"{sorted(BACKENDS_BY_LABEL)} or {sorted(_SHORT_NAMES)}")
+    return label
+
+
+class NoBackendError(NotImplementedError):
+    """No backend supports the configuration; the message lists every backend's reasons."""
+
+
+def require_backend(params: AttentionParams) -> BackendSelection:
+    selection = get_attention_backend(params)
+    if selection.backend is None:
+        raise NoBackendError("no attention backend supports this configuration:\n" + selection.report())
+    return selection
+
+
+BACKENDS_BY_LABEL = {backend_label(b): b for b in BACKENDS}
+
+
+@torch.compiler.assume_constant_result
+def chosen_backend_label(key: tuple) -> str:
+    """Selection as a constant for torch.compile: the label for ``params_key(params)``.
+
+    Under compilation the choice is made once, while tracing; raises like require_backend."""
+    return require_backend(params_from_key(key)).label
+
+
+# ---------------------------------------------------------------------------------- support matrix
+
+
+def support_matrix_markdown() -> str:
+    """The README's support matrix, rendered from the backends' declarations."""
+    rows = [b.matrix_row() for b in BACKENDS]
+    for b, row in zip(BACKENDS, rows):
+        row["backend"] = backend_label(b)
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def explain_backends(params: AttentionParams, libraries: Optional[InstalledLibraries] = None) -> Dict[str, Tuple[str, ...]]:
+    """{backend label: reasons it cannot run ``params``} ("which backend, and why not the others")."""
+    selection = get_attention_backend(params, libraries)
+    return {label: tuple(map(str, why)) for label, why in selection.reasons}
