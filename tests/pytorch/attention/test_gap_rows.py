@@ -144,7 +144,8 @@ def _emulated_attention(q, k, v, nq, nk, scale, causal, left, right):
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def fake_fa4_fwd(q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, max_q, max_kv, scale, causal, left, right):
+def fake_fa4_fwd(q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, max_q, max_kv, scale, causal, left, right, learnable_sink=None):
+    assert learnable_sink is None  # vanilla softmax in these tests
     for b, (oq, ok_, nq, nk) in enumerate(_sequences(cu_q, cu_kv, used_q, used_kv)):
         if nq == 0:
             continue  # FA4 skips the sequence: its rows stay unwritten
@@ -154,7 +155,8 @@ def fake_fa4_fwd(q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, max_q, max_kv,
 
 
 def fake_fa4_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_kv, used_q, used_kv, max_q, max_kv, scale, causal,
-                 left, right, deterministic):
+                 left, right, deterministic, learnable_sink=None, dsink=None):
+    assert learnable_sink is None and dsink is None  # vanilla softmax in these tests
     for oq, ok_, nq, nk in _sequences(cu_q, cu_kv, used_q, used_kv):
         if nq == 0:
             continue
@@ -243,9 +245,9 @@ def test_fa4_guard_copy_leaves_inputs_and_off_leaks(fa4_on_cpu):
 def test_fa4_inference_needs_no_lse(fa4_on_cpu, monkeypatch):
     seen = []
 
-    def spy(q, k, v, out, lse, *args):
+    def spy(q, k, v, out, lse, *args, **kwargs):
         seen.append(lse)
-        fake_fa4_fwd(q, k, v, out, lse, *args)
+        fake_fa4_fwd(q, k, v, out, lse, *args, **kwargs)
 
     monkeypatch.setattr(_FakeOps, "fa4_fwd", staticmethod(spy))
     p = make_thd(LENGTHS, gaps_q=GAPS, h=4, d=8)

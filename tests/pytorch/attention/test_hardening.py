@@ -216,6 +216,8 @@ def test_zero_row_inputs_with_sequences(monkeypatch, gather):
 
 
 def test_cudnn_graph_cache_is_a_bounded_lru(monkeypatch):
+    from transformer_engine.pytorch.attention.dot_product_attention.backends import cudnn as gpu_ops  # where the cache lives
+
     monkeypatch.setattr(gpu_ops, "_graphs", type(gpu_ops._graphs)())
     monkeypatch.setattr(gpu_ops, "MAX_GRAPHS", 3)
     built = []

@@ -51,8 +51,13 @@ class CPProblem:
 
     def causal_seqs(self) -> torch.Tensor:
         """[B] bool: sequences whose policy is causal (p2p supports causal and full only)."""
-        table = torch.tensor([s.mask_type.is_causal for s in self.specs], device=self.policy_of_seq.device)
-        return table[self.policy_of_seq]
+        # Built on the device from host facts: a tensor made from a Python list is a blocking
+        # host-to-device copy (a sync).
+        causal = torch.zeros_like(self.policy_of_seq, dtype=torch.bool)
+        for p, spec in enumerate(self.specs):
+            if spec.mask_type.is_causal:
+                causal |= self.policy_of_seq == p
+        return causal
 
     def policy_kinds(self) -> Tuple[bool, bool]:
         """(some live policy is causal, some live policy is full)."""

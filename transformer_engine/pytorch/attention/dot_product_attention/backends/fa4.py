@@ -194,10 +194,11 @@ class _FA4Kernel:
         if need_lse:  # without it FA4 runs its inference variant (no LSE store)
             shape = (q.shape[-2], q.shape[0]) if plan is not None else (q.shape[0], q.shape[2], q.shape[1])
             lse = torch.empty(shape, dtype=torch.float32, device=q.device)
-        sink = {} if features.sink is None else {"learnable_sink": features.sink}
         for call in calls:
+            # The sink is always passed (None without one): a traced custom op needs every
+            # argument its schema names, the mutated ones above all (dsink in the backward).
             kernel_ops.ops.fa4_fwd(q, k, v, out, lse, *_FA4Kernel._varlen(inp, plan, call), inp.softmax_scale,
-                                   *fa_mask_args(call.spec), **sink)
+                                   *fa_mask_args(call.spec), learnable_sink=features.sink)
         if plan is not None:
             kernel_ops.ops.zero_gap_rows(out, inp.packed_q.cu_seqlens, plan.offsets_q, -1)
         return out, [lse]
@@ -205,16 +206,13 @@ class _FA4Kernel:
     @staticmethod
     def backward(dout, q, k, v, out, stats, features, need_dbias, inp, plan, calls):
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-        dsink, sink = None, {}
-        if features.sink is not None:
-            # Each policy's call adds the sum over its own rows (FA4 reduces -exp(sink - lse) *
-            # rowsum(dO * O) over the rows it runs).
-            dsink = torch.zeros_like(features.sink)
-            sink = {"learnable_sink": features.sink, "dsink": dsink}
+        # Each policy's call adds the sum over its own rows into dsink (FA4 reduces
+        # -exp(sink - lse) * rowsum(dO * O) over the rows it runs).
+        dsink = None if features.sink is None else torch.zeros_like(features.sink)
         for call in calls:
             kernel_ops.ops.fa4_bwd(dout, q, k, v, out, stats[0], dq, dk, dv, *_FA4Kernel._varlen(inp, plan, call),
                                    inp.softmax_scale, *fa_mask_args(call.spec), torch.are_deterministic_algorithms_enabled(),
-                                   **sink)
+                                   learnable_sink=features.sink, dsink=dsink)
         if plan is not None:
             kernel_ops.ops.zero_gap_rows_qkv(dq, dk, dv, inp.packed_q.cu_seqlens, plan.offsets_q,
                                              inp.packed_kv.cu_seqlens, plan.offsets_kv, -1)
