@@ -21,7 +21,10 @@ def _pack_without_gaps(t, valid):
 def _check_gaps_vs_dense_packing(label, p, lengths_q, lengths_kv, mask, window, hg, d, tol, shared):
     dpa = DotProductAttention(H, d, num_gqa_groups=hg, qkv_format="thd", attn_mask_type=mask, window_size=window)
     kwargs = p.kwargs(True, max(lengths_q), max(lengths_kv), shared=shared)
-    out = run_on(label, dpa, p.q, p.k, p.v, **kwargs)
+    # FlashAttention aligns causal masks bottom-right only: top-left causal cross-attention is
+    # refused by selection (its reason), and the test skips with that reason.
+    top_left_cross = mask in ("padding_causal", "causal") and not shared and label.startswith("FlashAttention")
+    out = run_on(label, dpa, p.q, p.k, p.v, expect_refusal="with sq != skv possible" if top_left_cross else None, **kwargs)
     g = torch.randn_like(out)
     grads = grads_of(out, [p.q, p.k, p.v], g)
     packed = [_pack_without_gaps(t, m) for t, m in ((p.q, p.valid_q), (p.k, p.valid_kv), (p.v, p.valid_kv))]

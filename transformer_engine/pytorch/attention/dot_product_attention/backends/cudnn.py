@@ -54,11 +54,30 @@ class FusedAttention(BackendSupport):
             # Probed on the H200 (benchmarks/results/2026-12-03-h200/probe_cudnn.log): non-finite
             # results for THD at (256, 128); dense layouts and every other pair probed are fine.
             out.append(Reason("head_dim_v", f"{params.head_dim_v} with head_dim_qk=256 in thd", "256 with head_dim_qk=256 in thd"))
-        return out + bias_thd_reasons(params) + _cudnn_feature_reasons(params)
+        return out + _probed_backward_reasons(params) + bias_thd_reasons(params) + _cudnn_feature_reasons(params)
 
     @staticmethod
     def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
         return run_kernel(_CudnnKernel, inp, plan_varlen(inp) if inp.is_thd else None, training)
+
+
+def _probed_backward_reasons(params) -> List[Reason]:
+    """Backward configurations cuDNN (9.19, frontend 1.32) runs without an error but gets wrong,
+    found by TE's configuration matrix on the H200 (benchmarks/results/2026-12-03-h200/
+    te_matrix.log); the forward of each is right, so they are refused only with gradients."""
+    if not params.requires_grad:
+        return []
+    out = []
+    if params.qkv_layout in ("t3hd", "th3d"):
+        # The ragged backward reads a packed q (token stride 3*H*D) wrongly: dQ off by ~80%.
+        out.append(Reason("qkv_layout", f"{params.qkv_layout} with gradients",
+                          "thd_thd_thd, thd_t2hd or thd_th2d (cuDNN's ragged backward gets dQ wrong for a packed q)"))
+    top_left = any(s.mask_type.is_causal and not s.mask_type.bottom_right for s in params.mask_specs)
+    if top_left and params.max_seqlen_q == 1 < params.max_seqlen_kv:
+        # Decode-shaped top-left causal (one query row sees key 0 only): dQ/dK came back ~1e24.
+        out.append(Reason("attn_mask_type", "top-left causal with max_seqlen_q=1 < max_seqlen_kv and gradients",
+                          "bottom-right causal, or max_seqlen_q > 1 (cuDNN's backward returns garbage there)"))
+    return out
 
 
 def _cudnn_feature_reasons(params) -> List[Reason]:
@@ -390,7 +409,9 @@ def _ragged_rows(t: torch.Tensor) -> int:
     """Rows of a dense [T, H, D] tensor that span ``t``'s ragged (element) offsets. cuDNN's
     backward indexes its dQ accumulator with q's ragged offsets but sizes it in rows of H*D, so
     a packed q (t3hd/th3d: a row stride of 3*H*D) needs 3x the rows: sized by T alone it wrote
-    out of bounds (an illegal instruction on the H200, probe_cudnn.log)."""
+    out of bounds (an illegal instruction on the H200, probe_cudnn.log). Sized so, it no longer
+    crashes, but dQ still comes out wrong (te_matrix.log), so selection refuses those layouts
+    with gradients (_probed_backward_reasons); this stays as the guard against the crash."""
     per_row = t.shape[1] * t.shape[2]
     return -(-t.shape[0] * t.stride(0) // per_row)
 
