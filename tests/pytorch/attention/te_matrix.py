@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import json
 import math
 import os
@@ -44,6 +43,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from .gpu_helpers import env  # the NVTE switches for one case, restored after it
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -550,20 +551,6 @@ def reference(c: Case, inp: Inputs, device: str):
 # ------------------------------------------------------------------------------------ one case
 
 
-@contextlib.contextmanager
-def _env(values: Dict[str, str]):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def refusal_reason(message: str, label: str) -> Optional[str]:
     """The forced backend's line of a NoBackendError report ("  <label>: <reasons>")."""
     for line in message.splitlines():
@@ -587,7 +574,7 @@ def run_case(c: Case, short: str, device: str) -> dict:
     inp = make_inputs(c, device)
     dpa = make_module(c, device)
     try:
-        with _env(switches), warnings.catch_warnings():
+        with env(**switches), warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # q/k/v passed as views of one buffer
             out = dpa(**inp.call)
             ran = dpa.last_selection.label

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .dot_product_attention import DotProductAttention
-from .tensor_parallel import enter_column_parallel, leave_row_parallel
+from .tensor_parallel import enter_column_parallel, leave_row_parallel, per_partition, tp_world_size
 from .dot_product_attention.thd import PackedSeqs, make_packed, infer_pad_between_seqs
 
 
@@ -92,15 +92,15 @@ class MultiheadAttention(torch.nn.Module):
         factory = dict(device=device, dtype=params_dtype or torch.get_default_dtype())
         self.name, self.layer_number, self.softmax_type = name, layer_number, softmax_type
         self.tp_group, self.set_parallel_mode = tp_group, set_parallel_mode
-        self.tp_size = _tp_world_size(tp_size, tp_group)
+        self.tp_size = tp_world_size(tp_size, tp_group)
         if self.tp_size > 1 and not set_parallel_mode:
             raise ValueError(f"a tensor-parallel size of {self.tp_size} (tp_size / tp_group) needs set_parallel_mode=True; "
                              "got set_parallel_mode=False")
         # As in TE: sequence parallelism only means something across more than one rank.
         self.sequence_parallel = self.tp_size > 1 and sequence_parallel
         self.num_attention_heads, self.num_gqa_groups = num_attention_heads, num_gqa_groups or num_attention_heads
-        self.h = _divide("num_attention_heads", num_attention_heads, self.tp_size)  # per rank
-        self.hg = _divide("num_gqa_groups", self.num_gqa_groups, self.tp_size)
+        self.h = per_partition("num_attention_heads", num_attention_heads, self.tp_size)  # per rank
+        self.hg = per_partition("num_gqa_groups", self.num_gqa_groups, self.tp_size)
         self.d = kv_channels or hidden_size // num_attention_heads
         self.attention_type, self.qkv_format, self.return_bias = attention_type, qkv_format, return_bias
         self.return_layernorm_output = return_layernorm_output
@@ -151,7 +151,7 @@ class MultiheadAttention(torch.nn.Module):
 
     def set_tensor_parallel_group(self, tp_group: Any) -> None:
         """Supply the tensor-parallel group after construction (built with ``tp_size``), as in TE."""
-        world = _tp_world_size(1, tp_group)
+        world = tp_world_size(1, tp_group)
         if tp_group is not None and world != self.tp_size:
             raise ValueError(f"tp_group has {world} ranks but this module was built for tp_size={self.tp_size}")
         self.tp_group = tp_group
@@ -266,22 +266,6 @@ class MultiheadAttention(torch.nn.Module):
 def _default_init(weight: torch.Tensor) -> None:
     """TE's default weight init: normal, mean 0, std 0.023."""
     torch.nn.init.normal_(weight, mean=0.0, std=0.023)
-
-
-def _tp_world_size(tp_size: int, tp_group: Any) -> int:
-    if tp_group is None:
-        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-            raise ValueError(f"tp_size must be a positive int; got {tp_size!r}")
-        return tp_size
-    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return 1
-    return torch.distributed.get_world_size(tp_group)
-
-
-def _divide(name: str, count: int, tp_size: int) -> int:
-    if count % tp_size:
-        raise ValueError(f"{name}={count} must be divisible by the tensor-parallel size {tp_size} (tp_size, or tp_group's world size)")
-    return count // tp_size
 
 
 def _check_args(heads, normalization, attention_type, layer_number, return_layernorm_output, input_layernorm) -> None:

@@ -24,6 +24,25 @@ import torch
 import torch.distributed as dist
 
 
+def tp_world_size(tp_size: int, tp_group: Any) -> int:
+    """The tensor-parallel size as TE reads it: ``tp_group``'s world size when a group is given
+    (1 while torch.distributed is not initialized), else ``tp_size``."""
+    if tp_group is None:
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tp_size must be a positive int; got {tp_size!r}")
+        return tp_size
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(tp_group)
+
+
+def per_partition(name: str, count: int, tp_size: int) -> int:
+    """Heads (or GQA groups) one tensor-parallel rank works on; ``count`` is the global one."""
+    if count % tp_size:
+        raise ValueError(f"{name}={count} must be divisible by the tensor-parallel size {tp_size} (tp_size, or tp_group's world size)")
+    return count // tp_size
+
+
 def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
     x = x.contiguous().clone()
     dist.all_reduce(x, group=group)

@@ -14,6 +14,7 @@ import torch.utils.checkpoint
 
 from .context_parallel import context_parallel_forward, make_cp_config
 from .environment import compiling
+from ..tensor_parallel import per_partition, tp_world_size
 from .libraries import compute_capability
 from .fast_path import call_key, lookup, new_inputs, recipe_of, remember
 from .masks import AttnMaskType, MaskSpec, normalize_window
@@ -62,7 +63,7 @@ class DotProductAttention(torch.nn.Module):
     ) -> None:
         super().__init__()
         # As in TE: the group's size wins over tp_size; heads and groups are global counts.
-        self.tp_size = _tp_size(tp_size, tp_group)
+        self.tp_size = tp_world_size(tp_size, tp_group)
         self.tp_group = tp_group
         # Under sequence parallelism TE draws attention dropout from the default generator, not
         # the tracker's model-parallel stream (see _dropout_rng).
@@ -82,8 +83,8 @@ class DotProductAttention(torch.nn.Module):
         if attention_type not in ("self", "cross"):
             raise ValueError(f"attention_type must be 'self' or 'cross'; got {attention_type!r}")
         self.num_attention_heads = num_attention_heads
-        self.num_attention_heads_per_partition = _per_partition("num_attention_heads", num_attention_heads, self.tp_size)
-        self.num_gqa_groups_per_partition = _per_partition("num_gqa_groups", self.num_gqa_groups, self.tp_size)
+        self.num_attention_heads_per_partition = per_partition("num_attention_heads", num_attention_heads, self.tp_size)
+        self.num_gqa_groups_per_partition = per_partition("num_gqa_groups", self.num_gqa_groups, self.tp_size)
         self.head_dims = check_kv_channels(kv_channels)
         self.attention_dropout = attention_dropout
         if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
@@ -332,25 +333,6 @@ def _with_softmax(module, inp: AttentionInputs) -> AttentionInputs:
     inp.softmax_type, inp.softmax_offset = module.softmax_type, module.softmax_offset
     inp.return_max_logit = module.return_max_logit
     return inp
-
-
-def _tp_size(tp_size, tp_group) -> int:
-    """The tensor-parallel size (``tp_group``'s world size when given, as in TE; 1 when
-    torch.distributed is not initialized)."""
-    if tp_group is None:
-        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-            raise ValueError(f"tp_size must be a positive int; got {tp_size!r}")
-        return tp_size
-    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return 1
-    return torch.distributed.get_world_size(tp_group)
-
-
-def _per_partition(name: str, count: int, tp_size: int) -> int:
-    """Heads (or GQA groups) one tensor-parallel rank works on."""
-    if count % tp_size:
-        raise ValueError(f"{name}={count} must be divisible by the tensor-parallel size {tp_size} (tp_size, or tp_group's world size)")
-    return count // tp_size
 
 
 def _reject_under_cp(module, bottom_right_diagonal) -> None:
