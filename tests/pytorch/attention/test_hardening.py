@@ -104,12 +104,11 @@ def test_num_splits_bad_values_are_named(bad):
         DotProductAttention(H, D, qkv_format="bshd")(q, k, v, num_splits=bad)
 
 
-@pytest.mark.parametrize("mask,flag,same_as", [
-    ("causal", True, "causal_bottom_right"), ("causal", False, "causal"), ("causal_bottom_right", False, "causal"),
-    ("padding_causal", True, "padding_causal_bottom_right"), ("padding_causal_bottom_right", False, "padding_causal"),
-    ("no_mask", True, "no_mask"), ("no_mask", False, "no_mask"),
-])
-def test_bottom_right_diagonal_chooses_the_alignment(mask, flag, same_as):
+@pytest.mark.parametrize("mask", ["causal", "causal_bottom_right", "padding_causal", "padding_causal_bottom_right", "no_mask"])
+@pytest.mark.parametrize("flag", [True, False])
+def test_bottom_right_diagonal_does_not_override_the_mask_type(mask, flag):
+    """As in TE, the mask type decides the causal diagonal (causal/padding_causal top-left,
+    *_bottom_right bottom-right); the flag only aligns windows/ALiBi of non-causal masks."""
     q, k, v = _dense(sq=4, skv=7, grad=False)
     kw = {}
     if "padding" in mask:
@@ -117,9 +116,15 @@ def test_bottom_right_diagonal_chooses_the_alignment(mask, flag, same_as):
                                 torch.tensor([[False] * 7, [False] * 5 + [True] * 2]).view(2, 1, 1, 7))
     dpa = DotProductAttention(H, D, qkv_format="bshd", attention_type="cross")
     got = dpa(q, k, v, attn_mask_type=mask, bottom_right_diagonal=flag, **kw)
-    torch.testing.assert_close(got, dpa(q, k, v, attn_mask_type=same_as, **kw), rtol=0, atol=0)
-    if mask != same_as:  # the flag changed something
-        assert (got - dpa(q, k, v, attn_mask_type=mask, **kw)).abs().max() > 1e-6
+    torch.testing.assert_close(got, dpa(q, k, v, attn_mask_type=mask, **kw), rtol=0, atol=0)
+
+
+def test_bottom_right_diagonal_false_refuses_top_left_windows_on_non_causal_masks():
+    q, k, v = _dense(sq=4, skv=7, grad=False)
+    dpa = DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="no_mask", attention_type="cross")
+    with pytest.raises(NotImplementedError, match="bottom_right_diagonal=False with attn_mask_type='no_mask'"):
+        dpa(q, k, v, window_size=(2, 2), bottom_right_diagonal=False)
+    dpa(q, k, v, window_size=(2, 2), bottom_right_diagonal=True)  # the default alignment
 
 
 def test_bottom_right_diagonal_must_be_a_bool():
@@ -332,3 +337,46 @@ def test_cudnn_refuses_decode_shaped_top_left_causal_backward(mask, refused):
     assert _fused_reasons(qkv_format="bshd", attn_mask_type=mask, max_seqlen_q=1, max_seqlen_kv=512, requires_grad=False) == []
     assert not any("max_seqlen_q=1" in r for r in _fused_reasons(qkv_format="bshd", attn_mask_type=mask, max_seqlen_q=256,
                                                                     max_seqlen_kv=512, requires_grad=True))
+
+
+# ------------------------------------------------------------------------ review follow-ups
+
+def test_bounded_kv_lengths_follow_the_kv_slots_when_cu_seqlens_are_shared():
+    """One cu_seqlens for both sides but different padded offsets: after bounding, the kernels'
+    kv lengths must be capped by the kv slots, not reuse the query's (an over-read of kv)."""
+    from transformer_engine.pytorch.attention.dot_product_attention.backends.varlen import _valid_lengths
+    from transformer_engine.pytorch.attention.dot_product_attention.thd import PackedSeqs, made_safe
+
+    cu = torch.tensor([0, 4, 14], dtype=torch.int32)
+    pq = PackedSeqs(cu, torch.tensor([0, 4, 20], dtype=torch.int32), 10, 20)
+    pk = PackedSeqs(cu, torch.tensor([0, 10, 14], dtype=torch.int32), 10, 14)
+    sq, sk = made_safe(pq, pk)
+    len_q, len_kv = _valid_lengths(sq, sk)
+    assert len_q.tolist() == [4, 10]
+    assert len_kv.tolist() == [4, 4]  # the second kv slot holds 4 rows: [10, 14)
+    assert int((sk.offsets[:-1] + len_kv).max()) <= sk.total_tokens
+
+
+def test_unclaimed_sequence_attends_nothing_on_the_gathered_unfused_path(monkeypatch):
+    """An id the policies miss (unchecked on CUDA) leaves its sequence with no policy: the
+    gathered path must give it 0, as the kernels do, not the last policy's mask."""
+    from transformer_engine.pytorch.attention.dot_product_attention import thd
+
+    monkeypatch.setenv("NVTE_UNFUSED_THD_GATHER", "1")
+    monkeypatch.setattr(thd, "value_checks_on", lambda device: False)  # as on CUDA without NVTE_ATTN_VALIDATE
+    from transformer_engine.pytorch.attention.dot_product_attention import per_seq_policy
+
+    monkeypatch.setattr(per_seq_policy, "value_checks_on", lambda device: False)
+    p = make_thd([3, 4, 2], h=H, d=D)
+    dpa = DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding")
+    ids = {"padding": torch.tensor([0, 7]), "padding_causal": torch.tensor([2])}  # 7 is out of range; 1 unclaimed
+    out = dpa(p.q, p.k, p.v, **p.kwargs(False, 4, 4, shared=True), attn_mask_type_per_seq=ids)
+    assert torch.all(out[3:7] == 0) and torch.isfinite(out).all()
+
+
+def test_multihead_thd_rotary_without_cu_seqlens_is_named():
+    from transformer_engine.pytorch import MultiheadAttention
+
+    mha = MultiheadAttention(32, 4, qkv_format="thd", attn_mask_type="padding")
+    with pytest.raises(ValueError, match="qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv"):
+        mha(torch.randn(10, 32), rotary_pos_emb=torch.randn(16, 1, 1, 8))

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .dot_product_attention import DotProductAttention
 from .tensor_parallel import enter_column_parallel, leave_row_parallel, per_partition, tp_world_size
-from .dot_product_attention.thd import PackedSeqs, make_packed, infer_pad_between_seqs
+from .dot_product_attention.thd import PackedSeqs, prepare_sides
 
 
 class MultiheadAttention(torch.nn.Module):
@@ -253,10 +253,11 @@ class MultiheadAttention(torch.nn.Module):
         q, k, v = _split(packed)
         q_freqs, k_freqs = rope if isinstance(rope, tuple) else (rope, rope)
         if self.qkv_format == "thd":
-            if pad_between is None:
-                pad_between = infer_pad_between_seqs(cu_q, cu_kv, cu_q_pad, cu_kv_pad)
-            q_pos = _positions(make_packed("cu_seqlens_q", cu_q, cu_q_pad, pad_between, 0, q.shape[0]))
-            k_pos = _positions(make_packed("cu_seqlens_kv", cu_kv, cu_kv_pad, pad_between, 0, k.shape[0]))
+            # The same checks (and, on CUDA, bounds) as DotProductAttention's; a length can be no
+            # more than the tensor's rows, which stands in for the max_seqlen rotary does not need.
+            pq, pk = prepare_sides((cu_q, cu_kv, cu_q_pad, cu_kv_pad), (q.shape[0], k.shape[0]), pad_between,
+                                   (q.shape[0], k.shape[0]), q.device)
+            q_pos, k_pos = _positions(pq), _positions(pk)
         else:
             q_pos = k_pos = None
         return dict(query_layer=apply_rotary_pos_emb(q, q_freqs, self.qkv_format, q_pos),

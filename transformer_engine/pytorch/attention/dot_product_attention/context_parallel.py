@@ -30,7 +30,7 @@ from .cp_kernels import KERNELS
 from .cp_partition import check_slots
 from .masks import AttnMaskType, MaskSpec, normalize_window
 from .support import Reason
-from .thd import check_cu_seqlens, checked_or_safe, infer_pad_between_seqs, make_packed, value_checks_on
+from .thd import prepare_sides, value_checks_on
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
@@ -193,7 +193,7 @@ def context_parallel_forward(dpa, cfg: CPConfig, qkv, fmt: str, attention_mask, 
     else:
         call = _dense_call(dpa, q, k, v, fmt, mask, window, per_seq, is_causal, cfg)
     facts = CPFacts(cfg.comm_type, call.problem.specs, call.facts.shared_qkv_meta, dpa.attention_dropout > 0 and dpa.training,
-                    bias_type, attention_mask is not None or (fmt != "thd" and cus[0] is not None), q.shape[-2], k.shape[-2],
+                    bias_type, fmt != "thd" and (attention_mask is not None or cus[0] is not None), q.shape[-2], k.shape[-2],
                     comms[0].size if cfg.comm_type.startswith("a2a") else 1)
     reasons = cp_reasons(facts)
     if reasons:
@@ -296,34 +296,27 @@ def _select_kernel(dpa, q, k, v, call: CPCall):
     )
     selection = require_backend(params)
     object.__setattr__(dpa, "last_selection", selection)
+    if selection.label not in KERNELS:  # a scope forcing a backend without a CP kernel
+        raise NotImplementedError(f"cp_comm_type={call.facts.comm_type!r} runs its steps on FA4, cuDNN or the unfused backend; "
+                                  f"{selection.label} has no context-parallel kernel (use cp_comm_type='a2a')")
     return KERNELS[selection.label]
-
-
-def _check_values(t: torch.Tensor) -> bool:
-    """Value checks: free on the CPU, a sync on CUDA (only under NVTE_ATTN_VALIDATE=1)."""
-    return value_checks_on(t.device)
 
 
 def _thd_call(dpa, q, k, v, cus, max_seqlens, mask, window, raw_window, pad_between, per_seq, is_causal, cfg) -> CPCall:
     from .dot_product_attention import _parse_policies
 
-    cu_q, cu_kv, cu_q_pad, cu_kv_pad = cus
-    if cu_q is None or cu_kv is None:
-        raise ValueError("qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv (int32, [batch_size+1]); got None")
-    check_cu_seqlens("cu_seqlens_q", cu_q)
-    b = cu_q.numel() - 1
-    for name, t in (("cu_seqlens_kv", cu_kv), ("cu_seqlens_q_padded", cu_q_pad), ("cu_seqlens_kv_padded", cu_kv_pad)):
-        if t is not None:
-            check_cu_seqlens(name, t, b)
-    if pad_between is None:
-        pad_between = infer_pad_between_seqs(cu_q, cu_kv, cu_q_pad, cu_kv_pad)
     size = cfg.size
-    # Global metadata: make_packed checks max_seqlen (and derives it where absent, as upstream).
-    pq = make_packed("cu_seqlens_q", cu_q, cu_q_pad, pad_between, max_seqlens[0], q.shape[0] * size)
-    pk = make_packed("cu_seqlens_kv", cu_kv, cu_kv_pad, pad_between, max_seqlens[1], k.shape[0] * size)
-    for name, p in (("cu_seqlens_q_padded", pq), ("cu_seqlens_kv_padded", pk)):
-        check_slots(name if p.has_gaps else name[:-7], p.offsets, size, _check_values(p.offsets))
-    pq, pk = checked_or_safe(pq, pk)  # checked on the CPU (or when asked), bounded on the device otherwise
+    # CP's own rule first (slots divisible by 2 x cp), on the offsets the slots come from.
+    for name, cu, pad in (("cu_seqlens_q", cus[0], cus[2]), ("cu_seqlens_kv", cus[1], cus[3])):
+        padded = pad is not None and pad is not cu and pad_between is not False
+        offsets = pad if padded else cu
+        if isinstance(offsets, torch.Tensor) and offsets.dim() == 1:
+            check_slots(name + "_padded" if padded else name, offsets, size, value_checks_on(offsets.device))
+    # Global metadata (each rank passes the global cu_seqlens and max_seqlen): checked on the
+    # CPU (or when asked), bounded on the device otherwise, as without CP.
+    pq, pk = prepare_sides(cus, max_seqlens, pad_between, (q.shape[0] * size, k.shape[0] * size), q.device)
+    b = pq.batch_size
+    cu_q, cu_kv = pq.cu_seqlens, pk.cu_seqlens  # bounded copies on CUDA; sharing (identity) is kept
     policies = _parse_policies(per_seq, is_causal, b, q.device, raw_window)
     if policies is None:
         specs, live, policy_of_seq = (MaskSpec(mask, window),), (True,), torch.zeros(b, dtype=torch.int64, device=q.device)

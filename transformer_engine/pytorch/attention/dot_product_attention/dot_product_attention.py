@@ -22,7 +22,7 @@ from .packed_qkv import resolve_qkv
 from .params import AttentionInputs, AttentionParams, params_key
 from .support import SOFTMAX_TYPES
 from .per_seq_policy import SeqPolicies, from_is_causal, from_mask_type_dict
-from .thd import check_cu_seqlens, check_unpadded_offsets, checked_or_safe, infer_pad_between_seqs, make_packed, value_checks_on
+from .thd import prepare_sides
 from .selection import BACKENDS_BY_LABEL, chosen_backend_label, require_backend
 from .validation import (check_bias, check_bottom_right_diagonal, check_format, check_kv_channels, check_mask_and_format, check_num_splits,
                          check_qkv, check_softmax_scale, dense_padding)
@@ -228,25 +228,9 @@ class DotProductAttention(torch.nn.Module):
         """``window`` is the window as given: each policy normalizes it against its own mask
         (normalized against a causal module mask it would read (-1, 0), making every policy
         causal)."""
-        if cu_q is None or cu_kv is None:
-            raise ValueError("qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv (int32, [batch_size+1]); got None")
-        device = inp.q.device
-        check_cu_seqlens("cu_seqlens_q", cu_q, device=device)
-        b = cu_q.numel() - 1
-        check_cu_seqlens("cu_seqlens_kv", cu_kv, b, device)
-        for name, t in (("cu_seqlens_q_padded", cu_q_pad), ("cu_seqlens_kv_padded", cu_kv_pad)):
-            if t is not None:
-                check_cu_seqlens(name, t, b, device)
-        if pad_between is None:
-            pad_between = infer_pad_between_seqs(cu_q, cu_kv, cu_q_pad, cu_kv_pad)
-        elif not isinstance(pad_between, bool):
-            raise TypeError(f"pad_between_seqs must be None, True or False; got {pad_between!r}")
-        elif not pad_between and value_checks_on(cu_q.device):
-            check_unpadded_offsets("cu_seqlens_q", cu_q, cu_q_pad)
-            check_unpadded_offsets("cu_seqlens_kv", cu_kv, cu_kv_pad)
-        packed_q = make_packed("cu_seqlens_q", cu_q, cu_q_pad, pad_between, max_q, inp.q.shape[0])
-        packed_kv = make_packed("cu_seqlens_kv", cu_kv, cu_kv_pad, pad_between, max_kv, inp.k.shape[0])
-        inp.packed_q, inp.packed_kv = checked_or_safe(packed_q, packed_kv)
+        inp.packed_q, inp.packed_kv = prepare_sides((cu_q, cu_kv, cu_q_pad, cu_kv_pad), (max_q, max_kv), pad_between,
+                                                    (inp.q.shape[0], inp.k.shape[0]), inp.q.device)
+        b = inp.packed_q.batch_size
         inp.policies = _parse_policies(per_seq, is_causal, b, inp.q.device, window)
         if inp.policies is not None and inp.policies.uniform_spec() is not None:
             # A uniform policy is exactly the scalar path: one call, same results.

@@ -121,7 +121,10 @@ def _thd_facts(cus, max_seqlens, pad_between_seqs) -> Optional[tuple]:
         facts.append((c.dtype, c.dim(), c.device, _same_as(cus, c)))
     if not n:  # needs cu_seqlens_q of at least one entry (the full path names what is wrong)
         return None
-    return tuple(facts), pad_between_seqs
+    # The one THD selection rule that reads max_seqlen (cuDNN refuses decode-shaped top-left
+    # causal backward): its condition, not the values, is part of the key.
+    decode = max_seqlens[0] == 1 < max_seqlens[1]
+    return tuple(facts), pad_between_seqs, decode
 
 
 def call_key(module, qkv_format, layers, interleave_dim, cus, max_seqlens, attn_mask_type, window_size,
@@ -151,8 +154,10 @@ def call_key(module, qkv_format, layers, interleave_dim, cus, max_seqlens, attn_
         return None  # dense padding from cu_seqlens: built from the tensors on every call
     else:
         thd = None
+    sink = getattr(module, "softmax_offset", None)
     settings = (module.training, module.attention_dropout, module.qkv_format, module.attn_mask_type, module.window_size,
-                module.num_attention_heads_per_partition, module.num_gqa_groups_per_partition, module.head_dims)
+                module.num_attention_heads_per_partition, module.num_gqa_groups_per_partition, module.head_dims,
+                module.softmax_type, module.return_max_logit, sink is not None and sink.requires_grad)
     return (fmt, tuple(facts), interleave_dim, thd, attn_mask_type, window_size, bottom_right_diagonal, settings,
             torch.is_grad_enabled(), env_snapshot())
 

@@ -225,3 +225,28 @@ def make_packed(
             f"(a tensor would force a device-to-host sync)"
         )
     return PackedSeqs(cu_seqlens, offsets, max_seqlen, total_tokens)
+
+
+def prepare_sides(cus, max_seqlens, pad_between_seqs, totals, device) -> "tuple[PackedSeqs, PackedSeqs]":
+    """Both sides of a THD call, checked and ready for the kernels: the one preparation the
+    ordinary path and context parallelism share. ``cus`` = (cu_seqlens_q, cu_seqlens_kv,
+    cu_seqlens_q_padded, cu_seqlens_kv_padded); ``totals`` = (q rows, kv rows) the offsets
+    index (global rows under context parallelism)."""
+    cu_q, cu_kv, cu_q_pad, cu_kv_pad = cus
+    if cu_q is None or cu_kv is None:
+        raise ValueError("qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv (int32, [batch_size+1]); got None")
+    check_cu_seqlens("cu_seqlens_q", cu_q, device=device)
+    b = cu_q.numel() - 1
+    for name, t in (("cu_seqlens_kv", cu_kv), ("cu_seqlens_q_padded", cu_q_pad), ("cu_seqlens_kv_padded", cu_kv_pad)):
+        if t is not None:
+            check_cu_seqlens(name, t, b, device)
+    if pad_between_seqs is None:
+        pad_between_seqs = infer_pad_between_seqs(cu_q, cu_kv, cu_q_pad, cu_kv_pad)
+    elif not isinstance(pad_between_seqs, bool):
+        raise TypeError(f"pad_between_seqs must be None, True or False; got {pad_between_seqs!r}")
+    elif not pad_between_seqs and value_checks_on(cu_q.device):
+        check_unpadded_offsets("cu_seqlens_q", cu_q, cu_q_pad)
+        check_unpadded_offsets("cu_seqlens_kv", cu_kv, cu_kv_pad)
+    pq = make_packed("cu_seqlens_q", cu_q, cu_q_pad, pad_between_seqs, max_seqlens[0], totals[0])
+    pk = make_packed("cu_seqlens_kv", cu_kv, cu_kv_pad, pad_between_seqs, max_seqlens[1], totals[1])
+    return checked_or_safe(pq, pk)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from .environment import UNFUSED_MAX_SCORES, UNFUSED_THD_GATHER, compiling
-from .masks import band_allowed
+from .masks import UNBOUNDED, band_allowed
 from .params import AttentionInputs
 from .thd import PackedSeqs
 
@@ -77,14 +77,15 @@ def max_scores_per_chunk() -> int:
     return value
 
 
-def default_alibi_slopes(num_heads: int) -> torch.Tensor:
-    """The standard geometric ALiBi slopes (float32, [H]), extended for non-power-of-2 H."""
+def default_alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
+    """The standard geometric ALiBi slopes (float32, [H]), extended for non-power-of-2 H.
+    Computed on ``device`` from host constants: a tensor made from a Python list and moved to
+    CUDA would be a blocking copy (a sync, and a break in CUDA-graph capture)."""
     closest = 2 ** math.floor(math.log2(num_heads))
-    base = [2 ** (-8.0 * (i + 1) / closest) for i in range(closest)]
-    if closest < num_heads:
-        extra = [2 ** (-4.0 * (2 * i + 1) / closest) for i in range(num_heads - closest)]
-        base += extra
-    return torch.tensor(base, dtype=torch.float32)
+    i = torch.arange(num_heads, dtype=torch.float64, device=device)
+    base = torch.exp2(-8.0 * (i + 1) / closest)
+    extra = torch.exp2(-4.0 * (2 * (i - closest) + 1) / closest)  # heads past the power of two
+    return torch.where(i < closest, base, extra).float()
 
 
 def _core(
@@ -195,7 +196,7 @@ def _alibi_bias(
     diagonal: ``shift`` is skv - sq (per sequence) for bottom-right masks and 0 for the top-left
     ones (causal, padding_causal)."""
     if slopes is None:
-        slopes = default_alibi_slopes(h)
+        slopes = default_alibi_slopes(h, device)
     slopes = slopes.to(device=device, dtype=torch.float64)  # exact positions; _attend casts
     slopes = slopes.view(-1, h, 1, 1) if slopes.dim() == 2 else slopes.view(1, h, 1, 1)
     qi = torch.arange(r0, r1, device=device).view(r1 - r0, 1)
@@ -256,16 +257,28 @@ def _and(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch
 
 
 def _seq_bands(inp: AttentionInputs, device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sequence band as [B] tensors: left, right, bottom-right flag, and 'any band'."""
-    specs = inp.policies.specs if inp.policies is not None else (inp.mask,)
-    table = torch.tensor(
-        [[s.left, s.right, int(s.mask_type.bottom_right), int(s.has_band)] for s in specs],
-        dtype=torch.int64,
-    ).to(device)
+    """Per-sequence band as [B] tensors: left, right, bottom-right flag, and 'any band'.
+
+    Built on the device from host constants (a tensor made from a Python list and moved to CUDA
+    would be a blocking copy: a sync). A sequence no policy claims (an out-of-range id, unchecked
+    on CUDA) keeps left = -UNBOUNDED: it attends nothing and comes out 0, as the kernels leave it."""
     b = inp.packed_q.batch_size
-    index = inp.policies.policy_of_seq if inp.policies is not None else torch.zeros(b, dtype=torch.int64, device=device)
-    rows = table[index]
-    return rows[:, 0], rows[:, 1], rows[:, 2].bool(), rows[:, 3].bool()
+
+    def full(value, dtype=torch.int64):
+        return torch.full((b,), value, dtype=dtype, device=device)
+
+    if inp.policies is None:
+        s = inp.mask
+        return full(s.left), full(s.right), full(s.mask_type.bottom_right, torch.bool), full(s.has_band, torch.bool)
+    index = inp.policies.policy_of_seq
+    left, right, br, band = full(-UNBOUNDED), full(0), full(False, torch.bool), full(True, torch.bool)
+    for p, s in enumerate(inp.policies.specs):
+        mine = index == p
+        left = torch.where(mine, s.left, left)
+        right = torch.where(mine, s.right, right)
+        br = torch.where(mine, s.mask_type.bottom_right, br)
+        band = torch.where(mine, s.has_band, band)
+    return left, right, br, band
 
 
 def gathered_slot_length(p: PackedSeqs) -> int:

@@ -166,23 +166,22 @@ def check_num_splits(num_splits) -> None:
 
 
 def check_bottom_right_diagonal(value, mask: AttnMaskType, window, alibi: bool = False) -> AttnMaskType:
-    """TE's ``bottom_right_diagonal``: None keeps the mask's own alignment (top-left for causal
-    and padding_causal, bottom-right otherwise); True/False choose it for the causal diagonal,
-    so a causal mask becomes its bottom-right twin or back."""
+    """TE's ``bottom_right_diagonal``. As in TE the mask type wins for causal masks (``causal`` /
+    ``padding_causal`` are top-left, ``*_bottom_right`` bottom-right, whatever the flag says);
+    for the other masks it aligns sliding windows and ALiBi, True (bottom-right) by default.
+    Top-left windows and ALiBi on non-causal masks are not implemented: False is refused by name
+    where it would change something."""
     if value is None:
         return mask
     if not isinstance(value, bool):
         raise TypeError(f"bottom_right_diagonal must be None, True or False; got {value!r}")
-    if not mask.is_causal:
-        banded = window is not None and tuple(window) not in ((-1, -1), (-1, 0))
-        if not value and (banded or alibi):
-            raise NotImplementedError(
-                f"bottom_right_diagonal=False with attn_mask_type={mask.value!r}: windows and ALiBi on non-causal masks are "
-                f"aligned bottom-right here; use None or True"
-            )
-        return mask
-    base = mask.value.replace("_bottom_right", "")
-    return AttnMaskType(base + "_bottom_right" if value else base)
+    banded = window is not None and tuple(window) not in ((-1, -1), (-1, 0))
+    if not mask.is_causal and not value and (banded or alibi):
+        raise NotImplementedError(
+            f"bottom_right_diagonal=False with attn_mask_type={mask.value!r}: windows and ALiBi on non-causal masks are "
+            f"aligned bottom-right here; use None or True"
+        )
+    return mask
 
 
 def check_kv_channels(kv_channels: Union[int, Tuple[int, int]]) -> Tuple[int, int]:

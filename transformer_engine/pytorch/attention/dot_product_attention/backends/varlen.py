@@ -67,7 +67,11 @@ def plan_varlen(inp: AttentionInputs) -> VarlenPlan:
 
 def _valid_lengths(pq: PackedSeqs, pk: PackedSeqs) -> Tuple[torch.Tensor, torch.Tensor]:
     len_q = pq.seqlens()
-    return len_q, len_q if pk.cu_seqlens is pq.cu_seqlens else pk.seqlens()
+    # The queries' lengths serve the keys only when every fact bounding them is the same: after
+    # made_safe they are also capped by each side's own slots and max_seqlen.
+    same = (pk.cu_seqlens is pq.cu_seqlens and pk.offsets is pq.offsets and pk.max_seqlen == pq.max_seqlen
+            and pk.total_tokens == pq.total_tokens)
+    return len_q, len_q if same else pk.seqlens()
 
 
 def _row_owner(p: PackedSeqs, seq_policy: Optional[torch.Tensor]) -> torch.Tensor:
