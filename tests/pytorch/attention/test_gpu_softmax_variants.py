@@ -1,7 +1,7 @@
 """Attention sinks on the GPU: FlashAttention v4 (flash-attn-4's learnable_sink, forward and
 backward) against the unfused backend, bf16, dense and THD (gaps, GQA, per-sequence policies),
-outputs and dQ/dK/dV and the sink's gradient. Skipped without CUDA; a backend that cannot run
-a case skips with its reason."""
+outputs and dQ/dK/dV and the sink's gradient. Skipped without CUDA; a case FA4 refuses fails
+(``run_on``), since every case here ran on the H200."""
 
 from __future__ import annotations
 

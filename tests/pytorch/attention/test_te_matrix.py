@@ -65,15 +65,36 @@ def gpu_results(request):
     return {(r["backend"], r["id"]): r for r in results}
 
 
+def _recorded() -> dict:
+    """The H200 run of 2026-12-03 (benchmarks/results/2026-12-03-h200/te_matrix.jsonl):
+    {(backend label, case id): status}. A case that passed there must keep passing: a
+    declaration that starts refusing it (or a backend that starts failing it) is a regression."""
+    path = os.path.join(tm.ROOT, "benchmarks", "results", "2026-12-03-h200", "te_matrix.jsonl")
+    with open(path) as f:
+        return {(r["backend"], r["id"]): r["status"] for r in map(json.loads, f)}
+
+
+RECORDED = _recorded()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("short", tm.GPU_BACKENDS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_gpu(gpu_results, short, case):
-    r = gpu_results[(tm.BACKENDS[short][0], case.id)]
+    label = tm.BACKENDS[short][0]
+    r = gpu_results[(label, case.id)]
     if r["status"] == "skip":
         pytest.skip(r["detail"])
     assert r["status"] in ("pass", "refused"), r["detail"]
     assert r["detail"] if r["status"] == "refused" else True, "a refusal must name the backend's reason"
+    if RECORDED.get((label, case.id)) == "pass":
+        assert r["status"] == "pass", f"passed on the H200 on 2026-12-03, now {r['status']}: {r['detail']}"
+
+
+def test_recorded_matrix_covers_every_case():
+    """Every case and GPU backend has a recorded H200 outcome (the baseline above)."""
+    missing = [(tm.BACKENDS[s][0], c.id) for s in tm.GPU_BACKENDS for c in CASES if (tm.BACKENDS[s][0], c.id) not in RECORDED]
+    assert not missing, missing[:5]
 
 
 # ------------------------------------------------------------------------------- the matrix itself

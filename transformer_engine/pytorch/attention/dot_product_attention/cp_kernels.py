@@ -24,6 +24,7 @@ import torch
 
 from .backends import kernel_ops
 from .backends.cudnn import stats_shape
+from .backends.flash_common import fa_mask_args
 from .masks import AttnMaskType, MaskSpec
 
 
@@ -138,10 +139,7 @@ class UnfusedCPKernel:
 def _fa_window(mask: StepMask) -> Tuple[bool, int, int]:
     spec = MaskSpec(AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT if mask.causal else AttnMaskType.PADDING,
                     (mask.window_left, 0) if mask.causal else (-1, -1))
-    left, right = spec.window
-    if spec.mask_type.is_causal and left < 0:
-        return True, -1, -1
-    return False, left, right
+    return fa_mask_args(spec)
 
 
 class FA4CPKernel:
@@ -163,7 +161,8 @@ class FA4CPKernel:
         dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
         # The kernel reads lse of covered rows only; -inf elsewhere is never read.
         kernel_ops.ops.fa4_bwd(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, qs.offsets, ks.offsets, qs.lengths, ks.lengths,
-                    qs.max_len, ks.max_len, scale, *_fa_window(mask), torch.are_deterministic_algorithms_enabled())
+                    qs.max_len, ks.max_len, scale, *_fa_window(mask), torch.are_deterministic_algorithms_enabled(),
+                    learnable_sink=None, dsink=None)  # named: a traced op needs every schema argument
         return _rows_zero(dq, qs.covered), _rows_zero(dk, ks.covered), _rows_zero(dv, ks.covered)
 
 
