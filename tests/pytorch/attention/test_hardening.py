@@ -379,3 +379,28 @@ def test_multihead_thd_rotary_without_cu_seqlens_is_named():
     mha = MultiheadAttention(32, 4, qkv_format="thd", attn_mask_type="padding")
     with pytest.raises(ValueError, match="qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv"):
         mha(torch.randn(10, 32), rotary_pos_emb=torch.randn(16, 1, 1, 8))
+
+
+def test_sq_equals_skv_is_one_fact_for_selection_and_the_cudnn_runner(monkeypatch):
+    """One cu_seqlens tensor for both sides means sq == skv for every sequence, whatever the
+    padded offsets: selection (shared_cu_seqlens) and the cuDNN runner read the same property
+    (before, selection also required the same offsets and refused what the runner would run)."""
+    from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa_module
+
+    seen = {}
+    real = dpa_module.DotProductAttention._params
+
+    def spy(self, inp, fmt, layout):
+        params = real(self, inp, fmt, layout)
+        seen["params"], seen["inp"] = params, inp
+        return params
+
+    monkeypatch.setattr(dpa_module.DotProductAttention, "_params", spy)
+    p = make_thd([3, 4], gaps_q=[1, 2], h=H, d=D)
+    kw = dict(cu_seqlens_q=p.cu_q, cu_seqlens_kv=p.cu_q, cu_seqlens_q_padded=p.off_q,
+              cu_seqlens_kv_padded=p.off_q.clone(), max_seqlen_q=4, max_seqlen_kv=4)
+    DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding_causal")(p.q, p.k, p.v, **kw)
+    assert seen["params"].shared_cu_seqlens and seen["params"].same_lengths and seen["inp"].same_lengths
+    kw["cu_seqlens_kv"] = p.cu_q.clone()  # equal values, another tensor: not known without reading them
+    DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding_causal")(p.q, p.k, p.v, **kw)
+    assert not seen["params"].shared_cu_seqlens and not seen["inp"].same_lengths

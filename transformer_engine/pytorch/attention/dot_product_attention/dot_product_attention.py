@@ -270,7 +270,7 @@ class DotProductAttention(torch.nn.Module):
             alibi_slopes_shape=None if inp.alibi_slopes is None else tuple(inp.alibi_slopes.shape),
             pad_between_seqs=thd and (inp.packed_q.has_gaps or inp.packed_kv.has_gaps),
             per_seq_policies=None if inp.policies is None else inp.policies.specs,
-            shared_cu_seqlens=thd and inp.packed_q.cu_seqlens is inp.packed_kv.cu_seqlens and inp.packed_q.offsets is inp.packed_kv.offsets,
+            shared_cu_seqlens=thd and inp.same_lengths,
             has_padding_mask=inp.q_valid is not None or inp.kv_valid is not None,
             is_training=self.training,
             requires_grad=torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, inp.softmax_offset)),

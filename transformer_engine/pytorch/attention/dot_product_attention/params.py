@@ -134,3 +134,13 @@ class AttentionInputs:
     @property
     def is_thd(self) -> bool:
         return self.qkv_format == "thd"
+
+    @property
+    def same_lengths(self) -> bool:
+        """Whether every sequence is known, from host facts, to have sq == skv: THD with one
+        ``cu_seqlens`` tensor for both sides (the valid lengths; padded offsets may differ), or a
+        dense batch with equal lengths and no padding. The one home of this fact: selection
+        (``AttentionParams.shared_cu_seqlens``) and the cuDNN runner both read it."""
+        if self.is_thd:
+            return self.packed_q.cu_seqlens is self.packed_kv.cu_seqlens
+        return self.q.shape[1] == self.k.shape[1] and self.q_valid is None and self.kv_valid is None

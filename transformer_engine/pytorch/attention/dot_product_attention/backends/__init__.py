@@ -21,7 +21,7 @@ from typing import Tuple
 from .._reexport import forward_assignments
 from ..support import bias_thd_reasons
 from . import kernel_ops
-from .cudnn import FusedAttention, _CudnnKernel, _cudnn_feature_reasons, _dense_lengths, _same_lengths
+from .cudnn import FusedAttention, _CudnnKernel, _cudnn_feature_reasons, _dense_lengths
 from .fa2 import FlashAttentionV2, _fa2_alibi
 from .fa3 import FlashAttentionV3, _fa3_varlen_call
 from .fa4 import FlashAttentionV4, _FA4Kernel

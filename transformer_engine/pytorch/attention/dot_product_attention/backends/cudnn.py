@@ -148,7 +148,7 @@ class _CudnnKernel:
         left, right = call.spec.window
         # Where every sequence has sq == skv the two alignments coincide; top-left is the one cuDNN
         # combines with bias, ALiBi and dropout.
-        bottom_right = call.spec.mask_type.bottom_right and call.spec.has_band and not _same_lengths(inp)
+        bottom_right = call.spec.mask_type.bottom_right and call.spec.has_band and not inp.same_lengths
         if plan is None:
             b, sq, skv = inp.q.shape[0], inp.q.shape[1], inp.k.shape[1]
             lens = (None, None)
@@ -160,14 +160,6 @@ class _CudnnKernel:
             call.lengths = (call.seqused_q, call.seqused_kv) if call.seqused_q is not None else _valid_lengths(pq, pk)
         return (plan.offsets_q, plan.offsets_kv, *call.lengths, pq.batch_size, pq.max_seqlen, pk.max_seqlen,
                 inp.softmax_scale, causal, left, right, bottom_right)
-
-
-def _same_lengths(inp: AttentionInputs) -> bool:
-    """Whether every sequence is known to have sq == skv (the tensor side of
-    ``AttentionParams.same_lengths``)."""
-    if inp.is_thd:
-        return inp.packed_q.cu_seqlens is inp.packed_kv.cu_seqlens
-    return inp.q.shape[1] == inp.k.shape[1] and inp.q_valid is None and inp.kv_valid is None
 
 
 def _dense_lengths(valid: Optional[torch.Tensor], b: int, s: int, device) -> torch.Tensor:
