@@ -38,6 +38,7 @@ class Case:
     bad_slots: bool = False
     dense_len: int = 0  # local rows per rank for bshd/sbhd (0: 2 chunks of 4)
     d: int = 8  # head dim
+    thd_attention_mask: bool = False  # pass an attention_mask along with THD: ignored, as without CP
 
 
 def _slots(lengths: List[int], multiple: int, gaps: bool) -> List[int]:
@@ -173,6 +174,8 @@ def run_case(case: Case, world: int, rank: int, cp_group, device="cpu", check_to
     """One case on one rank; raises AssertionError on a mismatch."""
     dtype = getattr(torch, case.dtype)
     batch = _thd_batch(case, world, device, dtype) if case.fmt == "thd" else _dense_batch(case, world, device, dtype)
+    if case.thd_attention_mask:
+        batch.kwargs["attention_mask"] = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)  # would mask all
     dpa = DotProductAttention(case.h, case.d, num_gqa_groups=case.hg, qkv_format=case.fmt, attn_mask_type=case.mask,
                               cp_group=cp_group, cp_comm_type=case.comm)
     slots = batch.kwargs.get("cu_seqlens_q_padded", batch.kwargs.get("cu_seqlens_q"))
