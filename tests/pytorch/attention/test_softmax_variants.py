@@ -345,7 +345,13 @@ class _SinkFA4:
 
     @staticmethod
     def fa4_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_kv, used_q, used_kv, max_q, max_kv, scale, causal, left,
-                right, deterministic, learnable_sink=None, dsink=None):
+                right, deterministic):
+        _SinkFA4.fa4_bwd_sink(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_kv, used_q, used_kv, max_q, max_kv, scale,
+                              causal, left, right, deterministic, None, None)
+
+    @staticmethod
+    def fa4_bwd_sink(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_kv, used_q, used_kv, max_q, max_kv, scale, causal, left,
+                     right, deterministic, learnable_sink, dsink):
         _SinkFA4.calls.append(("bwd", dsink))
         for oq, ok_, nq, nk in _fake_seqs(cu_q, cu_kv, used_q, used_kv):
             if not nq:

@@ -161,8 +161,7 @@ class FA4CPKernel:
         dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
         # The kernel reads lse of covered rows only; -inf elsewhere is never read.
         kernel_ops.ops.fa4_bwd(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, qs.offsets, ks.offsets, qs.lengths, ks.lengths,
-                    qs.max_len, ks.max_len, scale, *_fa_window(mask), torch.are_deterministic_algorithms_enabled(),
-                    learnable_sink=None, dsink=None)  # named: a traced op needs every schema argument
+                    qs.max_len, ks.max_len, scale, *_fa_window(mask), torch.are_deterministic_algorithms_enabled())
         return _rows_zero(dq, qs.covered), _rows_zero(dk, ks.covered), _rows_zero(dv, ks.covered)
 
 

@@ -96,6 +96,18 @@ def _fa4_fwd_fake(q, k, v, out, lse, *args) -> None:
 kernel_ops.register("fa4_fwd", fa4_fwd, ("out", "lse"), _fa4_fwd_fake)
 
 
+def _bwd_call(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q,
+              max_seqlen_kv, softmax_scale, causal, window_left, window_right, deterministic, learnable_sink):
+    """The library's private ``_flash_attn_bwd``, by keyword (no public backward takes gradient
+    buffers); returns what it returns (dq, dk, dv and, with a sink, dsink)."""
+    kwargs = _shared_kwargs(cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
+                            causal, window_left, window_right, learnable_sink)
+    kwargs["q"], kwargs["k"], kwargs["v"], kwargs["out"], kwargs["dout"], kwargs["lse"] = q, k, v, out, dout, lse
+    kwargs["softcap"] = 0.0  # no logit soft-capping (TE has none)
+    kwargs["deterministic"], kwargs["dq"], kwargs["dk"], kwargs["dv"] = deterministic, dq, dk, dv
+    return _library()._flash_attn_bwd(**kwargs)
+
+
 def fa4_bwd(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -117,27 +129,57 @@ def fa4_bwd(
     window_left: int,
     window_right: int,
     deterministic: bool,
-    learnable_sink: Optional[torch.Tensor] = None,
-    dsink: Optional[torch.Tensor] = None,
 ) -> None:
-    """With ``learnable_sink`` (the forward's), this call's sink gradient is ADDED to ``dsink``
-    (calls for several mask policies each reduce over their own rows). Calls the library's
-    private ``_flash_attn_bwd`` by keyword (no public backward takes gradient buffers)."""
-    kwargs = _shared_kwargs(cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
-                            causal, window_left, window_right, learnable_sink)
-    kwargs["q"], kwargs["k"], kwargs["v"], kwargs["out"], kwargs["dout"], kwargs["lse"] = q, k, v, out, dout, lse
-    kwargs["softcap"] = 0.0  # no logit soft-capping (TE has none)
-    kwargs["deterministic"], kwargs["dq"], kwargs["dk"], kwargs["dv"] = deterministic, dq, dk, dv
-    grads = _library()._flash_attn_bwd(**kwargs)
-    if dsink is not None:
-        dsink.add_(grads[3])
+    """dQ/dK/dV into the caller's buffers (vanilla softmax)."""
+    _bwd_call(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q,
+              max_seqlen_kv, softmax_scale, causal, window_left, window_right, deterministic, None)
 
 
 def _fa4_bwd_fake(dout, q, k, v, out, lse, dq, dk, dv, *args) -> None:
     return None
 
 
-kernel_ops.register("fa4_bwd", fa4_bwd, ("dq", "dk", "dv", "dsink"), _fa4_bwd_fake)
+kernel_ops.register("fa4_bwd", fa4_bwd, ("dq", "dk", "dv"), _fa4_bwd_fake)
+
+
+def fa4_bwd_sink(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_kv: Optional[torch.Tensor],
+    seqused_q: Optional[torch.Tensor],
+    seqused_kv: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    deterministic: bool,
+    learnable_sink: torch.Tensor,
+    dsink: torch.Tensor,
+) -> None:
+    """:func:`fa4_bwd` with the forward's ``learnable_sink``; this call's sink gradient is ADDED
+    to ``dsink`` (calls for several mask policies each reduce over their own rows). A separate op,
+    not optional arguments of fa4_bwd: a mutated argument that may be None does not trace under
+    torch.compile (the vanilla backward failed there when dsink was one)."""
+    grads = _bwd_call(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q,
+                      max_seqlen_kv, softmax_scale, causal, window_left, window_right, deterministic, learnable_sink)
+    dsink.add_(grads[3])
+
+
+def _fa4_bwd_sink_fake(dout, q, k, v, out, lse, dq, dk, dv, *args) -> None:
+    return None
+
+
+kernel_ops.register("fa4_bwd_sink", fa4_bwd_sink, ("dq", "dk", "dv", "dsink"), _fa4_bwd_sink_fake)
 
 
 class FlashAttentionV4(FlashAttention):
@@ -209,10 +251,14 @@ class _FA4Kernel:
         # Each policy's call adds the sum over its own rows into dsink (FA4 reduces
         # -exp(sink - lse) * rowsum(dO * O) over the rows it runs).
         dsink = None if features.sink is None else torch.zeros_like(features.sink)
+        det = torch.are_deterministic_algorithms_enabled()
         for call in calls:
-            kernel_ops.ops.fa4_bwd(dout, q, k, v, out, stats[0], dq, dk, dv, *_FA4Kernel._varlen(inp, plan, call),
-                                   inp.softmax_scale, *fa_mask_args(call.spec), torch.are_deterministic_algorithms_enabled(),
-                                   learnable_sink=features.sink, dsink=dsink)
+            args = (dout, q, k, v, out, stats[0], dq, dk, dv, *_FA4Kernel._varlen(inp, plan, call), inp.softmax_scale,
+                    *fa_mask_args(call.spec), det)
+            if dsink is None:
+                kernel_ops.ops.fa4_bwd(*args)
+            else:
+                kernel_ops.ops.fa4_bwd_sink(*args, features.sink, dsink)
         if plan is not None:
             kernel_ops.ops.zero_gap_rows_qkv(dq, dk, dv, inp.packed_q.cu_seqlens, plan.offsets_q,
                                              inp.packed_kv.cu_seqlens, plan.offsets_kv, -1)
