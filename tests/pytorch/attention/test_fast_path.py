@@ -258,12 +258,26 @@ def _thd_params():
 
 def test_thd_selection_reads_neither_batch_size_nor_max_seqlen():
     """The key leaves these per-batch values out; this holds only while no backend's rules read
-    them for THD. A rule that starts to must add them to ``fast_path.call_key``."""
+    them for THD beyond what the key carries: the one such fact, "max_seqlen_q == 1 <
+    max_seqlen_kv" (cuDNN's decode-shaped backward rule), is in the key, so selection must be
+    the same for every batch on either side of it. A rule that reads more must add it too."""
     for params in _thd_params():
-        want = get_attention_backend(params, ALL_LIBS)
-        for b, sq, skv in ((1, 1, 1), (3, 4096, 128), (1000, 128, 65536)):
-            varied = dataclasses.replace(params, batch_size=b, max_seqlen_q=sq, max_seqlen_kv=skv)
-            assert get_attention_backend(varied, ALL_LIBS) == want, varied
+        for shapes in (((1, 1, 1), (3, 4096, 128), (1000, 128, 65536)), ((1, 1, 512), (7, 1, 2), (1000, 1, 65536))):
+            want = None
+            for b, sq, skv in shapes:
+                varied = dataclasses.replace(params, batch_size=b, max_seqlen_q=sq, max_seqlen_kv=skv)
+                got = get_attention_backend(varied, ALL_LIBS)
+                want = got if want is None else want
+                assert got == want, varied
+
+
+def test_decode_shape_is_part_of_the_thd_key():
+    from transformer_engine.pytorch.attention.dot_product_attention.fast_path import _thd_facts
+
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    cus = (cu, cu, None, None)
+    assert _thd_facts(cus, (1, 512), None) != _thd_facts(cus, (4, 512), None)
+    assert _thd_facts(cus, (4, 512), None) == _thd_facts(cus, (64, 8), None)
 
 
 def test_eager_calls_between_compiled_ones_cause_no_recompile():
