@@ -404,3 +404,16 @@ def test_sq_equals_skv_is_one_fact_for_selection_and_the_cudnn_runner(monkeypatc
     kw["cu_seqlens_kv"] = p.cu_q.clone()  # equal values, another tensor: not known without reading them
     DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding_causal")(p.q, p.k, p.v, **kw)
     assert not seen["params"].shared_cu_seqlens and not seen["inp"].same_lengths
+
+
+def test_rotary_table_shorter_than_a_sequence_is_named():
+    """MultiheadAttention's THD rotary positions index rotary_pos_emb: a table shorter than the
+    longest sequence is named on the CPU (on CUDA it is clamped, never an out-of-range index)."""
+    from transformer_engine.pytorch import MultiheadAttention
+
+    mha = MultiheadAttention(32, 4, qkv_format="thd", attn_mask_type="padding")
+    cu = torch.tensor([0, 6, 10], dtype=torch.int32)
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6, max_seqlen_kv=6)
+    with pytest.raises(ValueError, match="rotary_pos_emb must hold a row for every position: a sequence reaches position 5"):
+        mha(torch.randn(10, 32), rotary_pos_emb=torch.randn(4, 1, 1, 8), **kw)
+    assert mha(torch.randn(10, 32), rotary_pos_emb=torch.randn(6, 1, 1, 8), **kw).shape == (10, 32)

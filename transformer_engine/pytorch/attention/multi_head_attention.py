@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .dot_product_attention import DotProductAttention
 from .tensor_parallel import enter_column_parallel, leave_row_parallel, per_partition, tp_world_size
-from .dot_product_attention.thd import PackedSeqs, prepare_sides
+from .dot_product_attention.thd import PackedSeqs, prepare_sides, value_checks_on
 
 
 class MultiheadAttention(torch.nn.Module):
@@ -308,10 +308,22 @@ def _positions(p: PackedSeqs) -> torch.Tensor:
     return torch.where(p.token_valid(), rows - p.offsets.long()[seq], 0) if p.batch_size else rows * 0
 
 
+def _bounded_positions(positions: torch.Tensor, available: int) -> torch.Tensor:
+    """Positions must index ``rotary_pos_emb``: checked where reading values is free (CPU, or
+    NVTE_ATTN_VALIDATE=1), clamped on the device otherwise (an index past the end would be a
+    device-side assert that ends the CUDA context)."""
+    if value_checks_on(positions.device):
+        if positions.numel() and int(positions.max()) >= available:
+            raise ValueError(f"rotary_pos_emb must hold a row for every position: a sequence reaches position "
+                             f"{int(positions.max())} but rotary_pos_emb has {available} rows")
+        return positions
+    return positions.clamp(max=max(available - 1, 0))
+
+
 def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, fmt: str, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rotate-half RoPE on the first ``freqs.shape[-1]`` channels; ``freqs`` is [S, 1, 1, R]."""
     if fmt == "thd":
-        f = freqs[positions].view(t.shape[0], 1, -1)
+        f = freqs[_bounded_positions(positions, freqs.shape[0])].view(t.shape[0], 1, -1)
     elif fmt == "sbhd":
         f = freqs[: t.shape[0]]
     else:
