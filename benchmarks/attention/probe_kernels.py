@@ -95,7 +95,7 @@ def probe_cudnn_writes(q, k, v, offsets, lens, used, causal, gap_rows, skipped):
     for name, seqlens, rows in (("gaps", lens, gap_rows), ("seq_len=0 for half", used, skipped)):
         # The cuDNN ops return zero-filled buffers: count rows that are NOT zero (written).
         out, stats = ops.cudnn_fwd(q, k, v, offsets, offsets, seqlens, seqlens, b, m, m, D ** -0.5, causal, -1, -1, False)
-        dq, dk, dv, _ = ops.cudnn_bwd(torch.randn_like(out), q, k, v, out, stats, offsets, offsets, seqlens, seqlens, b, m, m,
+        dq, dk, dv, *_ = ops.cudnn_bwd(torch.randn_like(out), q, k, v, out, stats, offsets, offsets, seqlens, seqlens, b, m, m,
                                       D ** -0.5, causal, -1, -1, False, False)
         nonzero = lambda t: int((t[rows] != 0).any(dim=2).any(dim=1).sum())  # noqa: E731
         print(f"[writes] cuDNN {name} causal={causal}: rows {int(rows.sum())}: nonzero out {nonzero(out)}; "

@@ -29,6 +29,11 @@ def host_us(step, n=50) -> float:
 
 def graphed_ms(step) -> float:
     """Median ms of one replay of ``step`` captured in a CUDA graph (no host work at all)."""
+    return bench(graphed(step))
+
+
+def graphed(step):
+    """``step`` captured in a CUDA graph (after a warm-up on a side stream); returns its replay."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -38,7 +43,7 @@ def graphed_ms(step) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    return bench(graph.replay)
+    return graph.replay
 
 
 def steps(fwd, inputs):

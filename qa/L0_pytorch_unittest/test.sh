@@ -33,6 +33,7 @@ run_file test_backend_scope.py
 run_file test_validation.py
 run_file test_pad_between_seqs.py
 run_file test_per_seq_policy.py
+run_file test_policy_compaction.py
 run_file test_packed_qkv.py
 run_file test_multi_head_attention.py
 run_file test_gpu_backends.py

@@ -2,7 +2,8 @@
 DotProductAttention runs the real backend code around them. What the GPU tests cannot see
 directly is checked here: one dropout seed per forward, handed unchanged to the backward; no
 dropout in eval mode; the bias cast to the inputs' dtype and its gradient routed back; the
-bottom-right band sent top-left where both alignments are the same mask."""
+bottom-right band sent top-left where both alignments are the same mask; the sink logits sent as
+float32 [H] and their gradient (asked for only when wanted) routed back."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from transformer_engine.pytorch.attention.dot_product_attention import backends
 from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
 
 FWD_NAMES = ("offsets_q", "offsets_kv", "seqlens_q", "seqlens_kv", "batch_size", "max_seqlen_q", "max_seqlen_kv",
-             "softmax_scale", "causal", "window_left", "window_right", "bottom_right", "bias", "rng", "alibi", "dropout_p")
-BWD_NAMES = FWD_NAMES[:12] + ("deterministic",) + FWD_NAMES[12:] + ("need_dbias",)
+             "softmax_scale", "causal", "window_left", "window_right", "bottom_right", "bias", "rng", "alibi", "dropout_p", "sink")
+BWD_NAMES = FWD_NAMES[:12] + ("deterministic",) + FWD_NAMES[12:] + ("need_dbias", "need_dsink")
 
 
 class _RecordingOps:
@@ -31,7 +32,8 @@ class _RecordingOps:
         call = dict(zip(BWD_NAMES, args))
         self.bwd.append(call)
         dbias = torch.ones_like(call["bias"]) if call["need_dbias"] else q.new_empty(0)
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dbias
+        dsink = torch.full_like(call["sink"], 2.0) if call["need_dsink"] else q.new_empty(0)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dbias, dsink
 
 
 @pytest.fixture
@@ -90,3 +92,25 @@ def test_bottom_right_band_runs_top_left_where_lengths_match(recorder, sq, skv, 
     dpa = DotProductAttention(4, 8, qkv_format="bshd", attn_mask_type="causal_bottom_right")
     dpa(*_qkv(sq=sq, skv=skv))
     assert recorder.fwd[0]["causal"] is True and recorder.fwd[0]["bottom_right"] is bottom_right
+
+
+@pytest.mark.parametrize("softmax_type", ["learnable", "off-by-one"])
+def test_sink_logits_sent_and_their_gradient_routed_back(recorder, softmax_type):
+    q, k, v = _qkv(dtype=torch.bfloat16)
+    dpa = DotProductAttention(4, 8, qkv_format="bshd", attn_mask_type="causal", softmax_type=softmax_type)
+    if softmax_type == "learnable":
+        with torch.no_grad():
+            dpa.softmax_offset.copy_(torch.arange(4, dtype=torch.float32).view(dpa.softmax_offset.shape))
+    dpa(q, k, v).float().sum().backward()
+    (fwd,), (bwd,) = recorder.fwd, recorder.bwd
+    expected = torch.arange(4.0) if softmax_type == "learnable" else torch.zeros(4)
+    assert fwd["sink"].dtype == torch.float32 and torch.equal(fwd["sink"], expected)
+    assert bwd["sink"] is fwd["sink"]
+    assert bwd["need_dsink"] is (softmax_type == "learnable")
+    if softmax_type == "learnable":
+        assert torch.equal(dpa.softmax_offset.grad.reshape(-1), torch.full((4,), 2.0))
+
+
+def test_no_sink_for_vanilla_softmax(recorder):
+    DotProductAttention(4, 8, qkv_format="bshd")(*_qkv()).sum().backward()
+    assert recorder.fwd[0]["sink"] is None and recorder.bwd[0]["need_dsink"] is False

@@ -1,7 +1,8 @@
-"""Attention sinks on the GPU: FlashAttention v4 (flash-attn-4's learnable_sink, forward and
-backward) against the unfused backend, bf16, dense and THD (gaps, GQA, per-sequence policies),
-outputs and dQ/dK/dV and the sink's gradient. Skipped without CUDA; a case FA4 refuses fails
-(``run_on``), since every case here ran on the H200."""
+"""Attention sinks on the GPU: FlashAttention v4 (flash-attn-4's learnable_sink) and cuDNN
+(sink_token / dSink_token), forward and backward, against the unfused backend in float64, bf16
+inputs, dense and THD (gaps, GQA, per-sequence policies): outputs, dQ/dK/dV and the sink's
+gradient. Skipped without CUDA; a case a backend refuses fails (``run_on``), except cuDNN's THD
+backward, which cuDNN runs only from 9.26 on (the test expects the refusal below that)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 from transformer_engine.pytorch import DotProductAttention
+from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import SINK_THD_BACKWARD_MIN_CUDNN
+from transformer_engine.pytorch.attention.dot_product_attention.libraries import installed_libraries
 
 from .gpu_helpers import rel_err, run_on
 from .packing import make_thd
@@ -28,21 +31,29 @@ def _module(softmax_type, hg, fmt, mask):
     return dpa
 
 
-def _compare(label, dpa, inputs, kwargs, valid_rows=None):
+def _compare(label, dpa, inputs, kwargs, valid_rows=None, grads=True, expect_refusal=None):
     leaves = list(inputs) + ([dpa.softmax_offset] if dpa.softmax_type == "learnable" else [])
-    out = run_on(label, dpa, *inputs, **kwargs)
+    with torch.set_grad_enabled(grads):
+        out = run_on(label, dpa, *inputs, expect_refusal=expect_refusal, **kwargs)
     assert dpa.last_selection.label == label
+    # The reference: the unfused backend on float64 copies (the sink parameter stays float32;
+    # the unfused backend computes it in the inputs' precision).
+    ref_in = [t.detach().double().requires_grad_() for t in inputs]
+    ref = run_on("unfused", dpa, *ref_in, **kwargs)
+    assert rel_err(out, ref) < TOL, f"out: {rel_err(out, ref):.2e}"
+    if valid_rows is not None:
+        assert torch.all(out.view(out.shape[0], -1)[~valid_rows[0]] == 0)
+    if not grads:
+        return
     g = torch.randn_like(out)
     got = torch.autograd.grad(out, leaves, g)
-    ref_in = [t.detach().clone().requires_grad_() for t in inputs]
-    ref = run_on("unfused", dpa, *ref_in, **kwargs)
-    want = torch.autograd.grad(ref, ref_in + leaves[3:], g)
-    assert rel_err(out, ref) < TOL, f"out: {rel_err(out, ref):.2e}"
+    want = torch.autograd.grad(ref, ref_in + leaves[3:], g.double())
     for name, a, b in zip(["dq", "dk", "dv", "dsink"], got, want):
         assert torch.isfinite(a).all(), f"{name} has non-finite values"
         assert rel_err(a, b) < 4 * TOL, f"{name}: {rel_err(a, b):.2e}"
     if valid_rows is not None:
-        assert torch.all(out.view(out.shape[0], -1)[~valid_rows[0]] == 0)
+        for name, grad, rows in (("dq", got[0], valid_rows[0]), ("dk", got[1], valid_rows[1]), ("dv", got[2], valid_rows[1])):
+            assert torch.all(grad.view(grad.shape[0], -1)[~rows] == 0), f"{name}: gap rows not 0"
 
 
 @pytest.mark.parametrize("softmax_type", ["learnable", "off-by-one"])
@@ -52,7 +63,8 @@ def _compare(label, dpa, inputs, kwargs, valid_rows=None):
     ("padding_causal", 1, True, False),
     ("padding_causal", 4, True, True),
 ])
-def test_fa4_thd_sinks(softmax_type, mask, hg, gaps, policies):
+@pytest.mark.parametrize("label", ["FlashAttention v4", "FusedAttention"])
+def test_thd_sinks(label, softmax_type, mask, hg, gaps, policies):
     p = make_thd(LENGTHS, gaps_q=GAPS if gaps else None, h=H, hg=hg, d=D, dtype=torch.bfloat16, device="cuda", tail=5)
     dpa = _module(softmax_type, hg, "thd", mask)
     kwargs = p.kwargs(gaps, max(LENGTHS), max(LENGTHS), shared=True)
@@ -61,14 +73,20 @@ def test_fa4_thd_sinks(softmax_type, mask, hg, gaps, policies):
     if not gaps:
         for t in (p.q, p.k, p.v):
             t.data[~p.valid_q] = 7.0
-    _compare("FlashAttention v4", dpa, [p.q, p.k, p.v], kwargs, (p.valid_q, p.valid_kv))
+    valid = (p.valid_q, p.valid_kv)
+    if label == "FusedAttention" and (installed_libraries().cudnn or 0) < SINK_THD_BACKWARD_MIN_CUDNN:
+        _compare(label, dpa, [p.q, p.k, p.v], kwargs, valid, grads=False)  # the forward runs
+        _compare(label, dpa, [p.q, p.k, p.v], kwargs, valid, expect_refusal="sinks in the thd backward")
+        return
+    _compare(label, dpa, [p.q, p.k, p.v], kwargs, valid)
 
 
 @pytest.mark.parametrize("softmax_type", ["learnable", "off-by-one"])
 @pytest.mark.parametrize("mask,sq,skv", [("no_mask", 256, 256), ("causal_bottom_right", 128, 384)])
-def test_fa4_dense_sinks(softmax_type, mask, sq, skv):
+@pytest.mark.parametrize("label", ["FlashAttention v4", "FusedAttention"])
+def test_dense_sinks(label, softmax_type, mask, sq, skv):
     inputs = [torch.randn(2, s, h, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s, h in ((sq, H), (skv, 2), (skv, 2))]
-    _compare("FlashAttention v4", _module(softmax_type, 2, "bshd", mask), inputs, {})
+    _compare(label, _module(softmax_type, 2, "bshd", mask), inputs, {})
 
 
 def test_return_max_logit_runs_on_the_unfused_backend_on_cuda():

@@ -169,12 +169,17 @@ def test_gpu_parity(label, name, gaps, hg, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("label", list(GPU_BACKENDS))
-def test_gpu_cuda_graph(label):
+@pytest.mark.parametrize("spelling", ["shorthand", "dict"])
+def test_gpu_cuda_graph(label, spelling):
     """Mixed policies with gaps, forward+backward, captured in a CUDA graph and replayed on new
-    values."""
+    values; the dict spelling runs compacted calls (sizes from shapes)."""
     p = make_thd(GPU_LENGTHS, gaps_q=GPU_GAPS, h=H, d=128, dtype=torch.bfloat16, device="cuda")
     dpa = DotProductAttention(H, 128, qkv_format="thd", attn_mask_type="padding")
-    kwargs = dict(p.kwargs(True, 512, 512, shared=True), thd_sequence_is_causal=torch.tensor([1, 0, 1, 0, 1, 0], dtype=torch.bool, device="cuda"))
+    kwargs = p.kwargs(True, 512, 512, shared=True)
+    if spelling == "dict":
+        kwargs["attn_mask_type_per_seq"] = _gpu_policies("cuda")["mixed"]
+    else:
+        kwargs["thd_sequence_is_causal"] = torch.tensor([1, 0, 1, 0, 1, 0], dtype=torch.bool, device="cuda")
     g = torch.randn(p.q.shape[0], H * 128, device="cuda", dtype=torch.bfloat16)
     check_graph_replay(label, dpa, [p.q, p.k, p.v], kwargs, g)
 

@@ -293,11 +293,38 @@ THD = AttentionParams(qkv_format="thd", qkv_layout="thd_thd_thd", attn_mask_type
 def test_selection_sinks_go_to_fa4_and_others_say_why(softmax_type):
     sel = get_attention_backend(replace(THD, softmax_type=softmax_type), ALL_LIBS)
     assert sel.label == "FlashAttention v4"
-    for label, note in (("FlashAttention v3", "takes no attention-sink logits"), ("FusedAttention", "sink_token is not wired")):
-        text = "; ".join(map(str, sel.reasons_for(label)))
-        assert f"softmax_type='{softmax_type}' (supported: vanilla" in text and note in text
+    text = "; ".join(map(str, sel.reasons_for("FlashAttention v3")))
+    assert f"softmax_type='{softmax_type}' (supported: vanilla" in text and "takes no attention-sink logits" in text
+    text = "; ".join(map(str, sel.reasons_for("FusedAttention")))
+    assert f"softmax_type='{softmax_type}' with cuDNN of unknown version (supported: vanilla, or cuDNN >= 9.26" in text
     sel = get_attention_backend(replace(THD, softmax_type=softmax_type, compute_capability=(8, 0)), ALL_LIBS)
     assert sel.label == "UnfusedDotProductAttention"
+
+
+@pytest.mark.parametrize("cudnn,fmt,grad,need", [
+    (91900, "thd", True, "9.26 (sinks in the thd backward)"),  # the H200's cuDNN
+    (91900, "thd", False, None),
+    (91900, "bshd", True, None),
+    (92600, "thd", True, None),
+    (91200, "bshd", False, "9.13 (sinks)"),
+    (None, "bshd", False, "9.13 (sinks)"),
+])
+def test_cudnn_sinks_follow_the_cudnn_version(cudnn, fmt, grad, need):
+    libs = replace(ALL_LIBS, cudnn=cudnn)
+    layout = "thd_thd_thd" if fmt == "thd" else "bshd_bshd_bshd"
+    params = replace(THD, qkv_format=fmt, qkv_layout=layout, softmax_type="learnable", requires_grad=grad)
+    text = "; ".join(map(str, get_attention_backend(params, libs).reasons_for("FusedAttention")))
+    if need is None:
+        assert text == ""
+    else:
+        assert text.startswith("softmax_type='learnable' with cuDNN ") and text.endswith(f"or cuDNN >= {need})")
+
+
+def test_cudnn_sinks_need_more_than_one_query_row():
+    params = replace(THD, qkv_format="bshd", qkv_layout="bshd_bshd_bshd", softmax_type="off-by-one", max_seqlen_q=1,
+                     max_seqlen_kv=64, requires_grad=False)
+    text = "; ".join(map(str, get_attention_backend(params, replace(ALL_LIBS, cudnn=92600)).reasons_for("FusedAttention")))
+    assert "softmax_type='off-by-one' with max_seqlen_q=1" in text and "decode-only" in text
 
 
 def test_selection_return_max_logit_goes_to_unfused_with_reasons():

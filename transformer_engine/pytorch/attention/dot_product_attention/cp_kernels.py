@@ -202,7 +202,7 @@ class CudnnCPKernel:
         index = index.clamp(0, q.shape[0] - 1)
         stats = lse[:, index.flatten()].view(h, b, sq).permute(1, 0, 2).reshape(*stats_shape(q, b, sq)).contiguous()
         dout = dout if dout.stride() == out.stride() else dout.contiguous()
-        dq, dk, dv, _ = kernel_ops.ops.cudnn_bwd(dout, q, k, v, out, stats, *cls._args(qs, ks, mask, scale),
+        dq, dk, dv, *_ = kernel_ops.ops.cudnn_bwd(dout, q, k, v, out, stats, *cls._args(qs, ks, mask, scale),
                                       torch.are_deterministic_algorithms_enabled())
         return _rows_zero(dq, qs.covered), _rows_zero(dk, ks.covered), _rows_zero(dv, ks.covered)
 

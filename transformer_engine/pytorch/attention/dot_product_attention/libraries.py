@@ -23,6 +23,9 @@ class InstalledLibraries:
     flash_attn_3: Optional[str] = None
     flash_attn_4: Optional[str] = None
     cudnn_frontend: Optional[str] = None
+    # The cuDNN library itself (torch's, which the frontend's graphs run on), as cuDNN numbers
+    # it: 91900 for 9.19.0. Some features need a minimum (attention sinks: 9.13).
+    cudnn: Optional[int] = None
 
 
 def _dist_version(*names: str) -> Optional[str]:
@@ -49,7 +52,15 @@ def installed_libraries() -> InstalledLibraries:
     fa3 = _dist_version("flash-attn-3", "flash_attn_3") or ("unknown" if _has_module("flash_attn_interface") else None)
     fa4 = _dist_version("flash-attn-4", "flash_attn_4")
     cudnn = _dist_version("nvidia-cudnn-frontend") if _has_module("cudnn") else None
-    return InstalledLibraries(flash_attn_2=fa2, flash_attn_3=fa3, flash_attn_4=fa4, cudnn_frontend=cudnn)
+    return InstalledLibraries(flash_attn_2=fa2, flash_attn_3=fa3, flash_attn_4=fa4, cudnn_frontend=cudnn,
+                              cudnn=_cudnn_runtime())
+
+
+def _cudnn_runtime() -> Optional[int]:
+    try:
+        return torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    except (RuntimeError, OSError):  # a broken or missing libcudnn: no version to offer
+        return None
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,12 +28,15 @@ PolicyKey = Union[str, AttnMaskType, Tuple[Union[str, AttnMaskType], Tuple[int, 
 class SeqPolicies:
     """Policies of one batch: host-side specs, and each sequence's policy index on the device.
 
-    ``maybe_nonempty[p]`` is False only when policy p is known (from a shape) to own no sequence.
+    ``maybe_nonempty[p]`` is False only when policy p is known (from a shape) to own no sequence;
+    ``sizes[p]`` is how many sequences policy p names, where shapes tell (the dict spelling), else
+    None. Well-formed ids make it the policy's sequence count; it is always an upper bound.
     """
 
     specs: Tuple[MaskSpec, ...]
     policy_of_seq: torch.Tensor
     maybe_nonempty: Tuple[bool, ...]
+    sizes: Optional[Tuple[int, ...]] = None
 
     def active(self) -> Tuple[int, ...]:
         return tuple(p for p, live in enumerate(self.maybe_nonempty) if live)
@@ -94,7 +97,8 @@ def from_mask_type_dict(
         ids = ids.long()
         policy_of_seq.index_fill_(0, torch.where((ids >= 0) & (ids < batch_size), ids, batch_size), p)
     policy_of_seq = policy_of_seq[:batch_size]
-    return SeqPolicies(tuple(specs), policy_of_seq, tuple(ids.numel() > 0 for ids in id_tensors))
+    sizes = tuple(int(ids.numel()) for ids in id_tensors)
+    return SeqPolicies(tuple(specs), policy_of_seq, tuple(n > 0 for n in sizes), sizes)
 
 
 def from_is_causal(is_causal: torch.Tensor, batch_size: int, device: torch.device, window_size) -> SeqPolicies:

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..params import AttentionInputs
-from ..support import BackendSupport, Reason, bias_thd_reasons
+from ..support import SOFTMAX_TYPES, BackendSupport, Reason, bias_thd_reasons
 from . import kernel_ops
 from .kernel_autograd import run_kernel
 from .varlen import VarlenCall, VarlenPlan, _owners, _valid_lengths, combine_rows, plan_varlen
@@ -34,12 +34,12 @@ class FusedAttention(BackendSupport):
     SUPPORTS_PER_SEQ_POLICY = True
     SUPPORTS_DROPOUT = True
     SUPPORTED_BIAS_TYPES = frozenset({"no_bias", "post_scale_bias", "alibi"})
+    # Attention sinks through sdpa's sink_token / sdpa_backward's dSink_token (off-by-one is a
+    # sink of 0); the cuDNN version rules are in _sink_reasons.
+    SUPPORTED_SOFTMAX_TYPES = frozenset(SOFTMAX_TYPES)
     NOTES = {
         "core_attention_bias_type": "cuDNN adds a bias after scaling only",
-        # Facts for whoever wires them: cudnn-frontend 1.32's sdpa/sdpa_backward take
-        # sink_token / dSink_token ([1, H, 1, 1] float32; needs cuDNN >= 9.13, and >= 9.26 for
-        # the ragged (THD) backward) and sdpa can output score_max (per-row max logit).
-        "softmax_type": "cuDNN's sink_token is not wired here yet",
+        # A fact for whoever wires it: cudnn-frontend 1.32's sdpa can output score_max.
         "return_max_logit": "cuDNN's score_max output is not wired here yet",
     }
     CP_COMM_TYPES = frozenset({"p2p", "all_gather", "a2a", "a2a+p2p"})
@@ -54,11 +54,41 @@ class FusedAttention(BackendSupport):
             # Probed on the H200 (benchmarks/results/2026-12-03-h200/probe_cudnn.log): non-finite
             # results for THD at (256, 128); dense layouts and every other pair probed are fine.
             out.append(Reason("head_dim_v", f"{params.head_dim_v} with head_dim_qk=256 in thd", "256 with head_dim_qk=256 in thd"))
-        return out + _probed_backward_reasons(params) + bias_thd_reasons(params) + _cudnn_feature_reasons(params)
+        return (out + _probed_backward_reasons(params) + bias_thd_reasons(params) + _cudnn_feature_reasons(params)
+                + _sink_reasons(params, libs))
 
     @staticmethod
     def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
         return run_kernel(_CudnnKernel, inp, plan_varlen(inp) if inp.is_thd else None, training)
+
+
+SINK_MIN_CUDNN = 91300  # sink_token in sdpa and sdpa_backward
+SINK_THD_BACKWARD_MIN_CUDNN = 92600  # sink_token with ragged offsets in sdpa_backward
+
+
+def _sink_reasons(params, libs) -> List[Reason]:
+    """cudnn-frontend's rules for sink_token: cuDNN 9.13 or newer, 9.26 for the ragged (THD)
+    backward (older ones read out of bounds there), and not for a single query row (its
+    decode-only mode); an unknown cuDNN version runs none."""
+    if params.softmax_type == "vanilla":
+        return []
+    if params.max_seqlen_q == 1:
+        return [Reason("softmax_type", f"{params.softmax_type!r} with max_seqlen_q=1",
+                       "vanilla, or max_seqlen_q > 1 (cuDNN's decode-only mode takes no sink)")]
+    have = libs.cudnn
+    need, why = SINK_MIN_CUDNN, "sinks"
+    if params.qkv_format == "thd" and params.requires_grad:
+        need, why = SINK_THD_BACKWARD_MIN_CUDNN, "sinks in the thd backward"
+    if have is not None and have >= need:
+        return []
+    return [Reason("softmax_type", f"{params.softmax_type!r} with cuDNN {_cudnn_name(have)}",
+                   f"vanilla, or cuDNN >= {_cudnn_name(need)} ({why})")]
+
+
+def _cudnn_name(version: Optional[int]) -> str:
+    if version is None:
+        return "of unknown version"
+    return f"{version // 10000}.{version // 100 % 100}"
 
 
 def _probed_backward_reasons(params) -> List[Reason]:
@@ -133,14 +163,16 @@ class _CudnnKernel:
     def backward(dout, q, k, v, out, stats, features, need_dbias, inp, plan, calls):
         det = torch.are_deterministic_algorithms_enabled()
         grads = [kernel_ops.ops.cudnn_bwd(dout, q, k, v, out, st, *_CudnnKernel._args(inp, plan, call), det,
-                                          *features.cudnn_args(), need_dbias)
+                                          *features.cudnn_args(), need_dbias, features.need_dsink)
                  for call, st in zip(calls, stats)]
         dbias = grads[0][3] if need_dbias else None  # a bias never meets per-sequence policies
+        # Each policy's call reduces the sink gradient over its own rows: the sum is the whole.
+        dsink = sum(g[4] for g in grads) if features.need_dsink else None
         if len(grads) == 1:
-            return (*grads[0][:3], dbias, None)  # no sink: declared unsupported
+            return (*grads[0][:3], dbias, dsink)
         owner_q, owner_kv = _owners(inp)
         return (*(combine_rows(owner, [(call.policy, g[i]) for call, g in zip(calls, grads)])
-                  for i, owner in ((0, owner_q), (1, owner_kv), (2, owner_kv))), dbias, None)
+                  for i, owner in ((0, owner_q), (1, owner_kv), (2, owner_kv))), dbias, dsink)
 
     @staticmethod
     def _args(inp: AttentionInputs, plan: Optional[VarlenPlan], call: VarlenCall):
@@ -158,7 +190,8 @@ class _CudnnKernel:
         pq, pk = inp.packed_q, inp.packed_kv
         if call.lengths is None:
             call.lengths = (call.seqused_q, call.seqused_kv) if call.seqused_q is not None else _valid_lengths(pq, pk)
-        return (plan.offsets_q, plan.offsets_kv, *call.lengths, pq.batch_size, pq.max_seqlen, pk.max_seqlen,
+        b = call.batch_size if call.batch_size is not None else pq.batch_size
+        return (*call.offsets(plan), *call.lengths, b, pq.max_seqlen, pk.max_seqlen,
                 inp.softmax_scale, causal, left, right, bottom_right)
 
 
@@ -191,16 +224,18 @@ def cudnn_fwd(
     rng: Optional[torch.Tensor] = None,
     alibi: bool = False,
     dropout_p: float = 0.0,
+    sink: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns out (like q, head dim of v; rows the kernel skips are 0) and stats [B, H, SQ, 1].
 
     ``bias`` [B|1, H|1, SQ, SKV] is added after scaling; ``alibi`` adds cuDNN's own ALiBi (its
     standard slopes; needs a causal mask); ``dropout_p`` > 0 drops probabilities with the
-    Philox stream of ``rng`` (int64 [seed, offset]), which the backward must receive again."""
+    Philox stream of ``rng`` (int64 [seed, offset]), which the backward must receive again;
+    ``sink`` (float32 [H]) is one extra logit per head in every softmax denominator."""
     varlen, padded = offsets_q is not None, seqlens_q is not None
     b, sq, skv = batch_size, max(max_seqlen_q, 1), max(max_seqlen_kv, 1)
     band = _band_kwargs(causal, window_left, window_right, bottom_right)
-    features = (bias, alibi, dropout_p)
+    features = (bias, alibi, dropout_p, sink)
     out = q.new_zeros(*q.shape[:-1], v.shape[-1])
     stats = q.new_empty(stats_shape(q, batch_size, max_seqlen_q), dtype=torch.float32)
     key = ("fwd", q.dtype, b, sq, skv, q.shape[1:], k.shape[1:], v.shape[1:], q.stride(), k.stride(), v.stride(),
@@ -208,7 +243,7 @@ def cudnn_fwd(
     pack = {_UID["q"]: q, _UID["k"]: k, _UID["v"]: v, _UID["o"]: out, _UID["stats"]: stats}
     ragged = _ragged_sources(offsets_q, offsets_kv, dict(q=q, k=k, v=v, o=out)) if varlen else {}
     pack.update(_metadata_pack(seqlens_q, seqlens_kv, ragged))
-    pack.update(_feature_pack(bias, rng, dropout_p))
+    pack.update(_feature_pack(bias, rng, dropout_p, sink))
     build = lambda h: _build_fwd(h, q, k, v, out, b, sq, skv, softmax_scale, band, varlen, padded, features)  # noqa: E731
     _run_graph(key, build, pack, q.device)
     return out, stats
@@ -249,38 +284,45 @@ def cudnn_bwd(
     rng: Optional[torch.Tensor] = None,
     alibi: bool = False,
     dropout_p: float = 0.0,
+    sink: Optional[torch.Tensor] = None,
     need_dbias: bool = False,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns dq/dk/dv (contiguous; rows the kernel skips are 0) and dbias (like ``bias`` when
-    ``need_dbias``, else an empty tensor); ``dout`` needs ``out``'s strides. ``bias``, ``rng``,
-    ``alibi`` and ``dropout_p`` must be those of the forward."""
+    need_dsink: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns dq/dk/dv (contiguous; rows the kernel skips are 0), dbias (like ``bias`` when
+    ``need_dbias``) and dsink (float32 [H] when ``need_dsink``; else each is an empty tensor);
+    ``dout`` needs ``out``'s strides. ``bias``, ``rng``, ``alibi``, ``dropout_p`` and ``sink``
+    must be those of the forward."""
     varlen, padded = offsets_q is not None, seqlens_q is not None
     dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device) if need_dbias and bias is not None else None
+    dsink = torch.zeros(sink.shape, dtype=torch.float32, device=sink.device) if need_dsink and sink is not None else None
     b, sq, skv = batch_size, max(max_seqlen_q, 1), max(max_seqlen_kv, 1)
     band = _band_kwargs(causal, window_left, window_right, bottom_right)
-    features = (bias, alibi, dropout_p)
+    features = (bias, alibi, dropout_p, sink)
     key = ("bwd", q.dtype, b, sq, skv, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), out.stride(),
            dq.stride(), dk.stride(), dv.stride(), softmax_scale, _band_key(band), varlen, padded, deterministic,
-           _feature_key(*features), dbias is not None, q.device)
+           _feature_key(*features), dbias is not None, dsink is not None, q.device)
     pack = {_UID["q"]: q, _UID["k"]: k, _UID["v"]: v, _UID["o"]: out, _UID["do"]: dout, _UID["stats"]: stats,
             _UID["dq"]: dq, _UID["dk"]: dk, _UID["dv"]: dv}
-    pack.update(_feature_pack(bias, rng, dropout_p))
+    pack.update(_feature_pack(bias, rng, dropout_p, sink))
     if dbias is not None:
         pack[_UID["dbias"]] = dbias
+    if dsink is not None:
+        pack[_UID["dsink"]] = dsink.view(_sink_dims(dsink))
     ragged = _ragged_sources(offsets_q, offsets_kv, dict(q=q, k=k, v=v, o=out, do=dout, dq=dq, dk=dk, dv=dv)) if varlen else {}
     pack.update(_metadata_pack(seqlens_q, seqlens_kv, ragged))
-    build = lambda h: _build_bwd(h, q, k, v, out, dout, dq, dk, dv, dbias, b, sq, skv, softmax_scale, band, varlen, padded,  # noqa: E731
-                                 deterministic, features)
+    build = lambda h: _build_bwd(h, q, k, v, out, dout, dq, dk, dv, (dbias, dsink), b, sq, skv, softmax_scale, band,  # noqa: E731
+                                 varlen, padded, deterministic, features)
     _run_graph(key, build, pack, q.device)
-    return dq, dk, dv, (dbias if dbias is not None else q.new_empty(0))
+    return dq, dk, dv, *(t if t is not None else q.new_empty(0) for t in (dbias, dsink))
 
 
 def _cudnn_bwd_fake(dout, q, k, v, out, stats, offsets_q, offsets_kv, seqlens_q, seqlens_kv, batch_size, max_seqlen_q,
                     max_seqlen_kv, softmax_scale, causal, window_left, window_right, bottom_right, deterministic, bias=None,
-                    rng=None, alibi=False, dropout_p=0.0, need_dbias=False):
+                    rng=None, alibi=False, dropout_p=0.0, sink=None, need_dbias=False, need_dsink=False):
     dbias = bias.new_empty(bias.shape) if need_dbias and bias is not None else q.new_empty(0)
-    return (*(q.new_empty(t.shape) for t in (q, k, v)), dbias)
+    dsink = sink.new_empty(sink.shape, dtype=torch.float32) if need_dsink and sink is not None else q.new_empty(0)
+    return (*(q.new_empty(t.shape) for t in (q, k, v)), dbias, dsink)
 
 
 kernel_ops.register("cudnn_bwd", cudnn_bwd, (), _cudnn_bwd_fake)
@@ -289,7 +331,7 @@ kernel_ops.register("cudnn_bwd", cudnn_bwd, (), _cudnn_bwd_fake)
 # ------------------------------------------------------------------ graphs: building and caching
 
 _UID = dict(q=1, k=2, v=3, o=4, stats=5, do=6, dq=7, dk=8, dv=9, len_q=10, len_kv=11, rq=12, rk=13, rv=14, ro=15, rdq=16, rdk=17, rdv=18, rdo=19,
-            bias=20, dbias=21, seed=22, offset=23)
+            bias=20, dbias=21, seed=22, offset=23, sink=24, dsink=25)
 # Built graphs by configuration, least recently used first; bounded, since each holds cuDNN
 # plans and a training run with many shapes (or a per-batch max_seqlen) keeps making new ones.
 _graphs: "OrderedDict[tuple, tuple]" = OrderedDict()
@@ -461,8 +503,19 @@ def _band_key(band: dict) -> tuple:
     return tuple(sorted((n, str(x)) for n, x in band.items()))
 
 
-def _feature_kwargs(g, bias: Optional[torch.Tensor], alibi: bool, dropout_p: float) -> dict:
-    """sdpa / sdpa_backward arguments for a post-scale bias, ALiBi and dropout."""
+def _sink_dims(sink: torch.Tensor) -> List[int]:
+    return [1, sink.shape[0], 1, 1]  # cuDNN's sink_token is [1, H, 1, 1] float32
+
+
+def _sink_tensor(g, name: str, sink: torch.Tensor):
+    import cudnn
+
+    dims = _sink_dims(sink)
+    return g.tensor(name=name, dim=dims, stride=[dims[1], 1, 1, 1], data_type=cudnn.data_type.FLOAT, uid=_UID[name])
+
+
+def _feature_kwargs(g, bias: Optional[torch.Tensor], alibi: bool, dropout_p: float, sink: Optional[torch.Tensor]) -> dict:
+    """sdpa / sdpa_backward arguments for a post-scale bias, ALiBi, dropout and the sink logits."""
     import cudnn
 
     kwargs = {}
@@ -475,10 +528,13 @@ def _feature_kwargs(g, bias: Optional[torch.Tensor], alibi: bool, dropout_p: flo
         seed, offset = (g.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT64, uid=_UID[n])
                         for n in ("seed", "offset"))
         kwargs["dropout"] = (dropout_p, seed, offset)
+    if sink is not None:
+        kwargs["sink_token"] = _sink_tensor(g, "sink", sink)
     return kwargs
 
 
-def _feature_pack(bias: Optional[torch.Tensor], rng: Optional[torch.Tensor], dropout_p: float) -> dict:
+def _feature_pack(bias: Optional[torch.Tensor], rng: Optional[torch.Tensor], dropout_p: float,
+                  sink: Optional[torch.Tensor]) -> dict:
     """The device tensors behind :func:`_feature_kwargs`; ``rng`` is int64 [seed, offset]."""
     pack = {}
     if bias is not None:
@@ -487,11 +543,16 @@ def _feature_pack(bias: Optional[torch.Tensor], rng: Optional[torch.Tensor], dro
         if rng is None or rng.numel() != 2:
             raise ValueError("cuDNN dropout needs rng = int64 [seed, offset] on the device")
         pack[_UID["seed"]], pack[_UID["offset"]] = rng[0:1].view(1, 1, 1, 1), rng[1:2].view(1, 1, 1, 1)
+    if sink is not None:
+        if sink.dtype != torch.float32 or sink.dim() != 1:
+            raise ValueError(f"cuDNN's sink must be float32 [H]; got {sink.dtype} {tuple(sink.shape)}")
+        pack[_UID["sink"]] = sink.contiguous().view(_sink_dims(sink))
     return pack
 
 
-def _feature_key(bias: Optional[torch.Tensor], alibi: bool, dropout_p: float) -> tuple:
-    return (None if bias is None else (tuple(bias.shape), bias.stride(), bias.dtype), alibi, dropout_p)
+def _feature_key(bias: Optional[torch.Tensor], alibi: bool, dropout_p: float, sink: Optional[torch.Tensor]) -> tuple:
+    return (None if bias is None else (tuple(bias.shape), bias.stride(), bias.dtype), alibi, dropout_p,
+            None if sink is None else sink.shape[0])
 
 
 def _run_graph(key, build, pack: dict, device) -> None:
@@ -528,7 +589,8 @@ def _metadata_pack(seqlens_q, seqlens_kv, ragged: dict) -> dict:
     return pack
 
 
-def _build_bwd(handle, q, k, v, o, do, dq, dk, dv, dbias, b, sq, skv, scale, band, varlen, padded, deterministic, features):
+def _build_bwd(handle, q, k, v, o, do, dq, dk, dv, grads, b, sq, skv, scale, band, varlen, padded, deterministic, features):
+    """``grads`` = (dbias, dsink): the optional gradient outputs (None = not asked for)."""
     import cudnn
 
     g = _new_graph(q.dtype, handle)
@@ -540,9 +602,12 @@ def _build_bwd(handle, q, k, v, o, do, dq, dk, dv, dbias, b, sq, skv, scale, ban
     # Sizes the ragged dQ accumulator; rounded up as cuDNN's own THD path does.
     extra = dict(max_total_seq_len_q=_round64(_ragged_rows(q)), max_total_seq_len_kv=_round64(_ragged_rows(k))) if varlen else {}
     extra.update(_feature_kwargs(g, *features))
+    dbias, dsink = grads
     if dbias is not None:
         extra["dBias"] = g.tensor(name="dbias", dim=list(dbias.shape), stride=list(dbias.stride()), data_type=_dtype(dbias.dtype),
                                   uid=_UID["dbias"])
+    if dsink is not None:
+        extra["dSink_token"] = _sink_tensor(g, "dsink", dsink)
     dq_t, dk_t, dv_t = g.sdpa_backward(name="sdpa_backward", q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["do"], stats=stats,
                                        use_deterministic_algorithm=deterministic,
                                        **_sdpa_kwargs(t, scale, varlen, padded, band), **extra)

@@ -39,7 +39,7 @@ def _fa3_varlen_call(q, k, v, inp: AttentionInputs, plan: VarlenPlan, call: Varl
 
     causal, left, right = fa_mask_args(call.spec)
     return first_output(fa3.flash_attn_varlen_func(
-        q, k, v, plan.offsets_q, plan.offsets_kv, inp.packed_q.max_seqlen, inp.packed_kv.max_seqlen,
+        q, k, v, *call.offsets(plan), inp.packed_q.max_seqlen, inp.packed_kv.max_seqlen,
         seqused_q=call.seqused_q, seqused_k=call.seqused_kv, softmax_scale=inp.softmax_scale,
         causal=causal, window_size=(left, right), deterministic=torch.are_deterministic_algorithms_enabled(),
     ))

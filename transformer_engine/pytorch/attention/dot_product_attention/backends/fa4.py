@@ -268,6 +268,6 @@ class _FA4Kernel:
     def _varlen(inp: AttentionInputs, plan: Optional[VarlenPlan], call: VarlenCall):
         if plan is None:
             return None, None, None, None, inp.q.shape[1], inp.k.shape[1]
-        return (plan.offsets_q, plan.offsets_kv, call.seqused_q, call.seqused_kv,
+        return (*call.offsets(plan), call.seqused_q, call.seqused_kv,
                 inp.packed_q.max_seqlen, inp.packed_kv.max_seqlen)
 

@@ -29,9 +29,10 @@ class ScoreFeatures:
     dropout_p: float = 0.0
     rng: Optional[torch.Tensor] = None
     sink: Optional[torch.Tensor] = None
+    need_dsink: bool = False  # backward only: whether the sink's gradient is wanted
 
     def cudnn_args(self) -> tuple:
-        return self.bias, self.rng, self.alibi, self.dropout_p
+        return self.bias, self.rng, self.alibi, self.dropout_p, self.sink
 
 
 def _draw_rng(device: torch.device) -> torch.Tensor:
@@ -80,7 +81,7 @@ class _KernelAttention(torch.autograd.Function):
         q, k, v, out, bias, rng, sink, *stats = ctx.saved_tensors
         call = ctx.call
         dout = dout if dout.stride() == out.stride() else dout.contiguous()
-        features = ScoreFeatures(bias, call.alibi, call.dropout_p, rng, sink)
+        features = ScoreFeatures(bias, call.alibi, call.dropout_p, rng, sink, need_dsink=ctx.needs_input_grad[4])
         dq, dk, dv, dbias, dsink = call.kernel.backward(dout, q, k, v, out, stats, features, ctx.needs_input_grad[3],
                                                         call.inp, call.plan, _calls(call.inp, call.plan))
         if not ctx.needs_input_grad[4]:

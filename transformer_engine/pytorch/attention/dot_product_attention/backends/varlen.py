@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..environment import SANITIZE_GAPS, compiling
+from ..environment import SANITIZE_GAPS, THD_POLICY_COMPACT, compiling
 from ..gap_rows import FA4_MAX_TILE_ROWS
 from ..masks import MaskSpec
 from ..params import AttentionInputs
@@ -26,7 +26,11 @@ from . import kernel_ops
 
 @dataclass
 class VarlenCall:
-    """One kernel call: its mask policy, and per-sequence valid lengths (None = from cu_seqlens)."""
+    """One kernel call: its mask policy, and per-sequence valid lengths (None = from cu_seqlens).
+
+    A compacted call (``offsets_q`` set) runs only its policy's sequences: its own start offsets
+    ([n + 1], gathered from the batch's) and lengths ([n]), so the kernel's grid covers n
+    sequences instead of the batch."""
 
     policy: int
     spec: MaskSpec
@@ -35,6 +39,19 @@ class VarlenCall:
     # (len_q, len_kv) for kernels that always take lengths (cuDNN), made once per forward and
     # reused by the backward.
     lengths: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    offsets_q: Optional[torch.Tensor] = None
+    offsets_kv: Optional[torch.Tensor] = None
+
+    def offsets(self, plan: "VarlenPlan") -> Tuple[torch.Tensor, torch.Tensor]:
+        """The start offsets this call's kernel takes as cu_seqlens (q, kv)."""
+        if self.offsets_q is not None:
+            return self.offsets_q, self.offsets_kv
+        return plan.offsets_q, plan.offsets_kv
+
+    @property
+    def batch_size(self) -> Optional[int]:
+        """Sequences the call runs when compacted, else None (the batch's)."""
+        return None if self.offsets_q is None else self.offsets_q.shape[0] - 1
 
 
 @dataclass
@@ -58,11 +75,36 @@ def plan_varlen(inp: AttentionInputs) -> VarlenPlan:
             return VarlenPlan(pq.cu_seqlens, pk.cu_seqlens, [VarlenCall(0, spec, None, None)], False)
         return VarlenPlan(pq.offsets, pk.offsets, [VarlenCall(0, spec, *_valid_lengths(pq, pk))], True)
     len_q, len_kv = _valid_lengths(pq, pk)
+    if policies.sizes is not None and THD_POLICY_COMPACT.get("1") != "0":
+        return VarlenPlan(pq.offsets, pk.offsets, _compacted_calls(policies, pq, pk, len_q, len_kv), gaps)
     calls = []
     for p in policies.active():
         mine = policies.seq_mask(p)
         calls.append(VarlenCall(p, policies.specs[p], torch.where(mine, len_q, 0), torch.where(mine, len_kv, 0)))
     return VarlenPlan(pq.offsets, pk.offsets, calls, gaps)
+
+
+def _compacted_calls(policies, pq: PackedSeqs, pk: PackedSeqs, len_q, len_kv) -> List[VarlenCall]:
+    """One call per live policy over only its sequences, in batch order, sizes from shapes.
+
+    ``nonzero_static`` finds a policy's sequences on the device with a size known on the host
+    (no sync). Ascending order matters: FA's varlen backward places each sequence's dQ
+    accumulator by its start offset plus a per-index pad, which stays disjoint only while starts
+    grow with the index, as in the whole batch. Ids that are malformed (repeated, out of range)
+    leave fewer sequences than the shape says; the spare entries run a length of 0 at the last
+    sequence's start (never past the tensor)."""
+    b = pq.batch_size
+    lengths_q, lengths_kv = (torch.nn.functional.pad(t, (0, 1)) for t in (len_q, len_kv))  # index b: length 0
+    calls = []
+    for p in policies.active():
+        ids = torch.nonzero_static(policies.seq_mask(p), size=policies.sizes[p], fill_value=b).view(-1)
+        starts = torch.nn.functional.pad(ids.clamp(max=max(b - 1, 0)), (0, 1), value=b)  # [n + 1]
+        offsets_q = pq.offsets[starts]
+        offsets_kv = offsets_q if pk.offsets is pq.offsets else pk.offsets[starts]
+        used_q = lengths_q[ids]
+        used_kv = used_q if len_kv is len_q else lengths_kv[ids]
+        calls.append(VarlenCall(p, policies.specs[p], used_q, used_kv, offsets_q=offsets_q, offsets_kv=offsets_kv))
+    return calls
 
 
 def _valid_lengths(pq: PackedSeqs, pk: PackedSeqs) -> Tuple[torch.Tensor, torch.Tensor]:
