@@ -18,7 +18,7 @@ from transformer_engine.pytorch.attention.dot_product_attention import fast_path
 from transformer_engine.pytorch.attention.dot_product_attention.libraries import InstalledLibraries
 from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType
 from transformer_engine.pytorch.attention.dot_product_attention.params import AttentionParams
-from transformer_engine.pytorch.attention.dot_product_attention.utils import NoBackendError, get_attention_backend
+from transformer_engine.pytorch.attention.dot_product_attention.selection import NoBackendError, get_attention_backend
 
 from .gpu_helpers import env
 from .packing import make_thd
