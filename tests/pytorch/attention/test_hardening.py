@@ -387,14 +387,14 @@ def test_sq_equals_skv_is_one_fact_for_selection_and_the_cudnn_runner(monkeypatc
     from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa_module
 
     seen = {}
-    real = dpa_module.DotProductAttention._params
+    real = dpa_module.selection_params
 
-    def spy(self, inp, fmt, layout):
-        params = real(self, inp, fmt, layout)
+    def spy(module, inp, fmt, layout):
+        params = real(module, inp, fmt, layout)
         seen["params"], seen["inp"] = params, inp
         return params
 
-    monkeypatch.setattr(dpa_module.DotProductAttention, "_params", spy)
+    monkeypatch.setattr(dpa_module, "selection_params", spy)
     p = make_thd([3, 4], gaps_q=[1, 2], h=H, d=D)
     kw = dict(cu_seqlens_q=p.cu_q, cu_seqlens_kv=p.cu_q, cu_seqlens_q_padded=p.off_q,
               cu_seqlens_kv_padded=p.off_q.clone(), max_seqlen_q=4, max_seqlen_kv=4)

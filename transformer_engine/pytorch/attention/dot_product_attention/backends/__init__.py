@@ -1,8 +1,9 @@
 """The backends, one file per library, and their preference order (:data:`BACKENDS`).
 
 Shape legend: T = packed tokens, B = batch, S = length, H = query heads, HG = key/value heads,
-D = head dim. A backend's ``run`` takes :class:`AttentionInputs` and returns [B, S, H, Dv] or
-[T, H, Dv].
+D = head dim. A backend's ``run`` takes the prepared, immutable :class:`AttentionInputs` and
+returns [B, S, H, Dv] or [T, H, Dv] (with ``return_max_logit``, the backends that declare it
+return (output, max logit [H])).
 
 - :mod:`.fa4`, :mod:`.fa3`, :mod:`.fa2`, :mod:`.cudnn`, :mod:`.unfused`: each library's support
   declaration, the translation of a call into its arguments, and its registered ops;
