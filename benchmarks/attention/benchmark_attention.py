@@ -127,20 +127,20 @@ def cudnn_direct(lengths, d, causal, alibi=False, dropout_p=0.0):
 
 
 def _cudnn_fn(args, inputs, bias, alibi, dropout_p):
-    from transformer_engine.pytorch.attention.dot_product_attention import gpu_ops
+    from transformer_engine.pytorch.attention.dot_product_attention.backends import cudnn
 
     class Fn(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v):
             rng = torch.randint(0, 1 << 62, (2,), dtype=torch.int64, device=q.device) if dropout_p > 0 else None
-            o, stats = gpu_ops.cudnn_fwd(q, k, v, *args, bias, rng, alibi, dropout_p)
+            o, stats = cudnn.cudnn_fwd(q, k, v, *args, bias, rng, alibi, dropout_p)
             ctx.save_for_backward(q, k, v, o, stats, rng)
             return o
 
         @staticmethod
         def backward(ctx, grad):
             q, k, v, o, stats, rng = ctx.saved_tensors
-            return gpu_ops.cudnn_bwd(grad.contiguous(), q, k, v, o, stats, *args, False, bias, rng, alibi, dropout_p)[:3]
+            return cudnn.cudnn_bwd(grad.contiguous(), q, k, v, o, stats, *args, False, bias, rng, alibi, dropout_p)[:3]
 
     return lambda: Fn.apply(*inputs)
 

@@ -16,7 +16,7 @@ import traceback
 
 import torch
 
-import transformer_engine.pytorch.attention.dot_product_attention.gpu_ops  # noqa: F401
+import transformer_engine.pytorch.attention.dot_product_attention.backends  # noqa: F401  (registers the torch.ops.te_attn ops)
 
 ops = torch.ops.te_attn
 H, D = 16, 128

@@ -88,7 +88,7 @@ def _make(case):
 
 
 def _run_fa4(case):
-    from transformer_engine.pytorch.attention.dot_product_attention import gpu_ops
+    from transformer_engine.pytorch.attention.dot_product_attention.backends import fa4
 
     q, k, v, meta = _make(case)
     scale = case["dqk"] ** -0.5
@@ -101,37 +101,37 @@ def _run_fa4(case):
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device="cuda")
         args = (off, off, lens, lens, max(LENGTHS), max(LENGTHS))
-    gpu_ops.fa4_fwd(q, k, v, out, lse, *args, scale, case["causal"], -1, -1)
+    fa4.fa4_fwd(q, k, v, out, lse, *args, scale, case["causal"], -1, -1)
     torch.cuda.synchronize()
     _STAGE[0] = "bwd"
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-    gpu_ops.fa4_bwd(torch.randn_like(out), q, k, v, out, lse, dq, dk, dv, *args, scale, case["causal"], -1, -1, False)
+    fa4.fa4_bwd(torch.randn_like(out), q, k, v, out, lse, dq, dk, dv, *args, scale, case["causal"], -1, -1, False)
     torch.cuda.synchronize()
     return bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(t).all()) for t in (dq, dk, dv))
 
 
 def _run_cudnn(case):
-    from transformer_engine.pytorch.attention.dot_product_attention import gpu_ops
+    from transformer_engine.pytorch.attention.dot_product_attention.backends import cudnn
 
     q, k, v, meta = _make(case)
     variant = case.get("variant", "as_is")
     if variant == "accum_scaled":
         # Hypothesis: the dQ accumulator is sized in tokens but indexed with q's ragged (element)
         # offsets, so a packed q (token stride 3*h*d) needs a proportionally larger accumulator.
-        orig = gpu_ops._round64
-        gpu_ops._round64 = lambda n: orig(n * 3)
+        orig = cudnn._round64
+        cudnn._round64 = lambda n: orig(n * 3)
     scale = case["dqk"] ** -0.5
     if meta is None:
         args = (None, None, None, None, q.shape[0], q.shape[1], k.shape[1])
     else:
         _, off, lens = meta
         args = (off, off, lens, lens, len(LENGTHS), max(LENGTHS), max(LENGTHS))
-    out, stats = gpu_ops.cudnn_fwd(q, k, v, *args, scale, case["causal"], -1, -1, False)
+    out, stats = cudnn.cudnn_fwd(q, k, v, *args, scale, case["causal"], -1, -1, False)
     torch.cuda.synchronize()
     _STAGE[0] = "bwd"
     if variant == "contiguous_bwd":
         q, k, v = (t.contiguous() for t in (q, k, v))
-    dq, dk, dv, *_ = gpu_ops.cudnn_bwd(torch.randn_like(out), q, k, v, out, stats, *args, scale, case["causal"], -1, -1, False, False)
+    dq, dk, dv, *_ = cudnn.cudnn_bwd(torch.randn_like(out), q, k, v, out, stats, *args, scale, case["causal"], -1, -1, False, False)
     torch.cuda.synchronize()
     return bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(t).all()) for t in (dq, dk, dv))
 

@@ -141,20 +141,3 @@ def test_run_on_runs_the_named_backend():
     q, k, v = _qkv()
     torch.testing.assert_close(run_on("unfused", dpa, q, k, v), dpa(q, k, v))
     assert dpa.last_selection.label == "UnfusedDotProductAttention"
-
-
-# ---------------------------------------------------------------------------------- old paths
-
-
-def test_old_module_paths_forward_assignments(monkeypatch):
-    from transformer_engine.pytorch.attention.dot_product_attention import backends, gpu_ops
-    from transformer_engine.pytorch.attention.dot_product_attention.backends import cudnn, kernel_ops
-
-    monkeypatch.setattr(gpu_ops, "MAX_GRAPHS", 3)
-    assert cudnn.MAX_GRAPHS == 3
-    fake = object()
-    monkeypatch.setattr(backends, "ops", fake)
-    assert kernel_ops.ops is fake
-    monkeypatch.undo()
-    assert cudnn.MAX_GRAPHS == 256 and isinstance(kernel_ops.ops, kernel_ops.KernelOps)
-    assert gpu_ops._cached is cudnn._cached and gpu_ops._graphs is cudnn._graphs

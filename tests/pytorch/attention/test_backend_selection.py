@@ -13,7 +13,7 @@ from transformer_engine.pytorch.attention.dot_product_attention.explain import m
 from transformer_engine.pytorch.attention.dot_product_attention.libraries import InstalledLibraries
 from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType as M
 from transformer_engine.pytorch.attention.dot_product_attention.masks import MaskSpec
-from transformer_engine.pytorch.attention.dot_product_attention.utils import NoBackendError, require_backend
+from transformer_engine.pytorch.attention.dot_product_attention.selection import NoBackendError, require_backend
 
 ALL = InstalledLibraries(flash_attn_2="2.7.4", flash_attn_3=None, flash_attn_4="4.0.0b36", cudnn_frontend="1.32.0")
 FA2_CUDNN = replace(ALL, flash_attn_4=None)

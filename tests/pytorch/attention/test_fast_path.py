@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from transformer_engine.pytorch import DotProductAttention
+from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa_module
 from transformer_engine.pytorch.attention.dot_product_attention import fast_path
 from transformer_engine.pytorch.attention.dot_product_attention.libraries import InstalledLibraries
 from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType
 from transformer_engine.pytorch.attention.dot_product_attention.params import AttentionParams
-from transformer_engine.pytorch.attention.dot_product_attention.utils import NoBackendError, get_attention_backend
+from transformer_engine.pytorch.attention.dot_product_attention.selection import NoBackendError, get_attention_backend
 
 from .gpu_helpers import env
 from .packing import make_thd
@@ -30,13 +31,13 @@ H, HG, D = 4, 2, 8
 def full_paths(monkeypatch):
     """Counts the calls that took the full path."""
     calls = []
-    real = DotProductAttention._inputs
+    real = dpa_module.prepare
 
-    def counted(self, *args, **kwargs):
+    def counted(*args, **kwargs):
         calls.append(1)
-        return real(self, *args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(DotProductAttention, "_inputs", counted)
+    monkeypatch.setattr(dpa_module, "prepare", counted)
     return calls
 
 
@@ -122,6 +123,59 @@ def test_dense_hit_equals_full_path(fmt, mask, packed, full_paths):
     assert len(full_paths) == 1
     _assert_identical(got, _outputs(DotProductAttention(H, D, num_gqa_groups=heads, qkv_format=fmt, attn_mask_type=mask),
                                     *second))
+
+
+def _captured_inputs(monkeypatch):
+    """The AttentionInputs each call hands its backend (the unfused one, on the CPU)."""
+    from transformer_engine.pytorch.attention.dot_product_attention.backends.unfused import UnfusedDotProductAttention
+
+    seen = []
+    real = UnfusedDotProductAttention.run
+
+    def spy(inp, training):
+        seen.append(inp)
+        return real(inp, training)
+
+    monkeypatch.setattr(UnfusedDotProductAttention, "run", staticmethod(spy))
+    return seen
+
+
+def _same_record(a, b):
+    """Field by field: tensors as the same view of the same memory; PackedSeqs by the tensors
+    it uses (identity decides gaps and sharing) and its sizes."""
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            assert (x.data_ptr(), x.shape, x.stride(), x.dtype) == (y.data_ptr(), y.shape, y.stride(), y.dtype), f.name
+        elif f.name in ("packed_q", "packed_kv") and x is not None:
+            assert x.cu_seqlens is y.cu_seqlens and x.offsets is y.offsets, f.name
+            assert (x.max_seqlen, x.total_tokens, x.bounded) == (y.max_seqlen, y.total_tokens, y.bounded), f.name
+        else:
+            assert x == y, f.name
+
+
+@pytest.mark.parametrize("fmt,softmax_type", [("thd", "vanilla"), ("thd", "off-by-one"), ("sbhd", "learnable")])
+def test_a_hit_builds_the_record_prepare_builds(fmt, softmax_type, monkeypatch, full_paths):
+    """The cached static half plus a call's own tensors is the record prepare() builds for
+    that call, every field; and the record is immutable."""
+    seen = _captured_inputs(monkeypatch)
+    torch.manual_seed(5)
+    if fmt == "thd":
+        calls = [_thd_call(_thd_batch(**THD_CASES["gaps, shared"][k], seed=i), True, True, {})[:2] for i, k in enumerate("ab")]
+    else:
+        calls = [((*(torch.randn(6, 2, h, D, dtype=torch.float64) for h in (H, HG, HG)),), {}) for _ in range(2)]
+    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format=fmt, attn_mask_type="causal" if fmt != "thd" else "padding_causal",
+                              softmax_type=softmax_type)
+    for args, kw in calls:
+        dpa(*args, **kw)
+    assert len(full_paths) == 1
+    dpa._recipes.clear()
+    dpa(*calls[1][0], **calls[1][1])
+    assert len(full_paths) == 2
+    hit, prepared = seen[1], seen[2]
+    _same_record(hit, prepared)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        hit.mask = None
 
 
 def _base_call():

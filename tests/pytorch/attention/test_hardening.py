@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from transformer_engine.pytorch import DotProductAttention
-from transformer_engine.pytorch.attention.dot_product_attention import gpu_ops
 
 from .packing import make_thd
 from .te_matrix import alibi_bias, allowed, attend64, standard_slopes
@@ -221,23 +220,23 @@ def test_zero_row_inputs_with_sequences(monkeypatch, gather):
 
 
 def test_cudnn_graph_cache_is_a_bounded_lru(monkeypatch):
-    from transformer_engine.pytorch.attention.dot_product_attention.backends import cudnn as gpu_ops  # where the cache lives
+    from transformer_engine.pytorch.attention.dot_product_attention.backends import cudnn  # where the cache lives
 
-    monkeypatch.setattr(gpu_ops, "_graphs", type(gpu_ops._graphs)())
-    monkeypatch.setattr(gpu_ops, "MAX_GRAPHS", 3)
+    monkeypatch.setattr(cudnn, "_graphs", type(cudnn._graphs)())
+    monkeypatch.setattr(cudnn, "MAX_GRAPHS", 3)
     built = []
 
     def build(key):
         return lambda: built.append(key) or ("graph", key)
 
     for key in "abc":
-        assert gpu_ops._cached(key, build(key)) == ("graph", key)
-    assert gpu_ops._cached("a", build("a")) == ("graph", "a")  # a hit: not rebuilt, now most recent
-    gpu_ops._cached("d", build("d"))  # evicts the least recently used: b
+        assert cudnn._cached(key, build(key)) == ("graph", key)
+    assert cudnn._cached("a", build("a")) == ("graph", "a")  # a hit: not rebuilt, now most recent
+    cudnn._cached("d", build("d"))  # evicts the least recently used: b
     assert built == ["a", "b", "c", "d"]
-    assert list(gpu_ops._graphs) == ["c", "a", "d"]
-    gpu_ops._cached("b", build("b"))  # rebuilt after eviction
-    assert built[-1] == "b" and len(gpu_ops._graphs) == 3
+    assert list(cudnn._graphs) == ["c", "a", "d"]
+    cudnn._cached("b", build("b"))  # rebuilt after eviction
+    assert built[-1] == "b" and len(cudnn._graphs) == 3
 
 
 # ------------------------------------------------------------------------------ CUDA: bounded, then named
@@ -388,14 +387,14 @@ def test_sq_equals_skv_is_one_fact_for_selection_and_the_cudnn_runner(monkeypatc
     from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa_module
 
     seen = {}
-    real = dpa_module.DotProductAttention._params
+    real = dpa_module.selection_params
 
-    def spy(self, inp, fmt, layout):
-        params = real(self, inp, fmt, layout)
+    def spy(module, inp, fmt, layout):
+        params = real(module, inp, fmt, layout)
         seen["params"], seen["inp"] = params, inp
         return params
 
-    monkeypatch.setattr(dpa_module.DotProductAttention, "_params", spy)
+    monkeypatch.setattr(dpa_module, "selection_params", spy)
     p = make_thd([3, 4], gaps_q=[1, 2], h=H, d=D)
     kw = dict(cu_seqlens_q=p.cu_q, cu_seqlens_kv=p.cu_q, cu_seqlens_q_padded=p.off_q,
               cu_seqlens_kv_padded=p.off_q.clone(), max_seqlen_q=4, max_seqlen_kv=4)

@@ -3,6 +3,7 @@ included), and proof that its fused projection goes through as a declared packed
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -148,3 +149,48 @@ def test_bad_normalization():
 def test_scale_default():
     mha = MultiheadAttention(HID, H, device="cpu")
     assert math.isclose(mha.core_attention.softmax_scale, 1 / math.sqrt(D))
+
+
+def test_thd_rotary_prepares_the_packed_metadata_once(monkeypatch):
+    """The THD rotary path builds the packed metadata for its positions and hands it to
+    DotProductAttention: one prepare_sides per call, on the full path and on a fast-path repeat
+    (which then checks nothing again); the output is each sequence run alone through a bshd twin
+    of the module, and the gap rows' NaN never reaches a valid row."""
+    from transformer_engine.pytorch.attention import multi_head_attention as mha_module
+    from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa_module
+    from transformer_engine.pytorch.attention.dot_product_attention import fast_path, prepare, thd
+
+    counts = {"prepare_sides": 0, "checked_or_safe": 0, "full path": 0}
+
+    def counted(name, fn):
+        def spy(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return spy
+
+    for module in (mha_module, prepare):
+        monkeypatch.setattr(module, "prepare_sides", counted("prepare_sides", thd.prepare_sides))
+    monkeypatch.setattr(fast_path, "checked_or_safe", counted("checked_or_safe", thd.checked_or_safe))
+    monkeypatch.setattr(dpa_module, "prepare", counted("full path", prepare.prepare))
+    torch.manual_seed(3)
+    kw = dict(attention_dropout=0.0, fuse_qkv_params=True, params_dtype=torch.float64, device="cpu")
+    mha = MultiheadAttention(HID, H, attn_mask_type="padding_causal", qkv_format="thd", **kw)
+    twin = MultiheadAttention(HID, H, attn_mask_type="causal", qkv_format="bshd", **kw)
+    twin.load_state_dict(mha.state_dict())
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    angles = torch.outer(torch.arange(8, dtype=torch.float64), inv)
+    freqs = torch.cat([angles, angles], dim=-1).view(8, 1, 1, D)
+    for step, (lengths, gaps) in enumerate((([3, 5, 2], [1, 0, 2]), ([6, 1, 4], [0, 1, 1]))):
+        cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
+        off = torch.tensor([0] + list(itertools.accumulate(n + g for n, g in zip(lengths, gaps))), dtype=torch.int32)
+        x = torch.randn(int(off[-1]), HID, dtype=torch.float64)
+        valid = torch.cat([torch.tensor([True] * n + [False] * g) for n, g in zip(lengths, gaps)])
+        x[~valid] = float("nan")
+        before = dict(counts)
+        out = mha(x, rotary_pos_emb=freqs, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=off,
+                  cu_seqlens_kv_padded=off, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+        # The second batch (same token count) repeats the first one's decisions: the fast path.
+        assert {name: counts[name] - before[name] for name in counts} == {"prepare_sides": 1, "checked_or_safe": 0,
+                                                                          "full path": 1 - step}
+        want = torch.cat([twin(x[int(o): int(o) + n].unsqueeze(0), rotary_pos_emb=freqs)[0] for o, n in zip(off[:-1], lengths)])
+        torch.testing.assert_close(out[valid], want, rtol=1e-12, atol=1e-12)

@@ -197,7 +197,8 @@ class MultiheadAttention(torch.nn.Module):
                 enc = enter_column_parallel(enc, self.tp_group, self.sequence_parallel)
         packed = self._project(x, enc)
         if rotary_pos_emb is not None:
-            packed = self._apply_rope(packed, rotary_pos_emb, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, pad_between_seqs)
+            packed = self._apply_rope(packed, rotary_pos_emb, (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded),
+                                      (max_seqlen_q, max_seqlen_kv), pad_between_seqs)
         ctx = self.core_attention(
             attention_mask=attention_mask, attn_mask_type=attn_mask_type, window_size=window_size,
             checkpoint_core_attention=checkpoint_core_attention, inference_params=inference_params,
@@ -248,20 +249,27 @@ class MultiheadAttention(torch.nn.Module):
             return dict(query_layer=q, kv_layer=kv.view(shape), qkv_interleave_dim=-2 if self.interleaved else -3)
         return dict(query_layer=q, key_layer=self.key(source).view(*kv_lead, hg, d), value_layer=self.value(source).view(*kv_lead, hg, d))
 
-    def _apply_rope(self, packed: dict, rope, cu_q, cu_kv, cu_q_pad, cu_kv_pad, pad_between) -> dict:
-        """Rotary embeddings act on q and k separately, so this is the sliced path."""
+    def _apply_rope(self, packed: dict, rope, cus, max_seqlens, pad_between) -> dict:
+        """Rotary embeddings act on q and k separately, so this is the sliced path. THD: the
+        packed metadata built here for the positions is handed to DotProductAttention, which
+        would otherwise build it again from the same arguments."""
         q, k, v = _split(packed)
         q_freqs, k_freqs = rope if isinstance(rope, tuple) else (rope, rope)
+        out = {}
+        q_pos = k_pos = None
+        # Under context parallelism the metadata is global (DotProductAttention prepares it over
+        # every rank's rows): only the local rows are known here, so nothing is handed over.
+        cp = self.core_attention.cp_config is not None and self.core_attention.cp_config.size > 1
         if self.qkv_format == "thd":
-            # The same checks (and, on CUDA, bounds) as DotProductAttention's; a length can be no
-            # more than the tensor's rows, which stands in for the max_seqlen rotary does not need.
-            pq, pk = prepare_sides((cu_q, cu_kv, cu_q_pad, cu_kv_pad), (q.shape[0], k.shape[0]), pad_between,
-                                   (q.shape[0], k.shape[0]), q.device)
-            q_pos, k_pos = _positions(pq), _positions(pk)
-        else:
-            q_pos = k_pos = None
-        return dict(query_layer=apply_rotary_pos_emb(q, q_freqs, self.qkv_format, q_pos),
-                    key_layer=apply_rotary_pos_emb(k, k_freqs, self.qkv_format, k_pos), value_layer=v)
+            # DotProductAttention's own preparation (checks and, on CUDA, bounds), done once.
+            sides = prepare_sides(cus, (q.shape[0], k.shape[0]) if cp else max_seqlens, pad_between, (q.shape[0], k.shape[0]),
+                                  q.device)
+            q_pos, k_pos = _positions(sides[0]), _positions(sides[1])
+            if not cp:
+                out["_packed_seqs"] = sides
+        out.update(query_layer=apply_rotary_pos_emb(q, q_freqs, self.qkv_format, q_pos),
+                   key_layer=apply_rotary_pos_emb(k, k_freqs, self.qkv_format, k_pos), value_layer=v)
+        return out
 
 
 def _default_init(weight: torch.Tensor) -> None:

@@ -303,7 +303,7 @@ def _select_kernel(dpa, q, k, v, call: CPCall):
 
 
 def _thd_call(dpa, q, k, v, cus, max_seqlens, mask, window, raw_window, pad_between, per_seq, is_causal, cfg) -> CPCall:
-    from .dot_product_attention import _parse_policies
+    from .per_seq_policy import parse_policies as _parse_policies
 
     size = cfg.size
     # CP's own rule first (slots divisible by 2 x cp), on the offsets the slots come from.
@@ -339,7 +339,7 @@ def _thd_call(dpa, q, k, v, cus, max_seqlens, mask, window, raw_window, pad_betw
 def _dense_call(dpa, q, k, v, fmt, mask, window, per_seq, is_causal, cfg) -> CPCall:
     """bshd/sbhd as THD with one slot of the global length per batch entry (no copies for
     bshd; sbhd is transposed once)."""
-    from .dot_product_attention import _reject_per_seq
+    from .per_seq_policy import reject_per_seq as _reject_per_seq
 
     _reject_per_seq(per_seq, is_causal, f"qkv_format={fmt!r}")
     if fmt == "sbhd":

@@ -1,6 +1,7 @@
 """DotProductAttention: TransformerEngine's module, with its names and argument meanings.
 
-``forward`` validates, builds the selection parameters, asks for a backend and runs it.
+``forward`` prepares the call once (:mod:`.prepare`, or :mod:`.fast_path` for a repeat), asks
+for a backend and runs it.
 """
 
 from __future__ import annotations
@@ -15,18 +16,14 @@ import torch.utils.checkpoint
 from .context_parallel import context_parallel_forward, make_cp_config
 from .environment import compiling
 from ..tensor_parallel import per_partition, tp_world_size
-from .libraries import compute_capability
-from .fast_path import call_key, lookup, new_inputs, recipe_of, remember
-from .masks import AttnMaskType, MaskSpec, normalize_window
+from .fast_path import call_key, lookup, recipe_of, remember
+from .masks import AttnMaskType, normalize_window
 from .packed_qkv import resolve_qkv
-from .params import AttentionInputs, AttentionParams, params_key
+from .params import AttentionParams, params_key
+from .prepare import PackedSides, prepare, selection_params
 from .support import SOFTMAX_TYPES
-from .per_seq_policy import SeqPolicies, from_is_causal, from_mask_type_dict
-from .thd import prepare_sides
 from .selection import BACKENDS_BY_LABEL, chosen_backend_label, require_backend
-from .validation import (check_bias, check_bottom_right_diagonal, check_format, check_kv_channels, check_mask_and_format, check_num_splits,
-                         check_qkv, check_softmax_scale, dense_padding)
-
+from .validation import check_format, check_kv_channels, check_num_splits, check_softmax_scale
 
 class DotProductAttention(torch.nn.Module):
     """Scaled dot-product attention over [s,b,h,d], [b,s,h,d] or packed [t,h,d] inputs.
@@ -135,11 +132,17 @@ class DotProductAttention(torch.nn.Module):
         qkv_interleave_dim: int = -3,
         attn_mask_type_per_seq: Optional[Mapping[Any, torch.Tensor]] = None,
         thd_sequence_is_causal: Optional[torch.Tensor] = None,
+        _packed_seqs: Optional[PackedSides] = None,
     ) -> torch.Tensor:
         """Attention over q/k/v (separate, or declared packed via ``qkv_layer``/``kv_layer``).
 
         ``attn_mask_type_per_seq`` / ``thd_sequence_is_causal`` give each packed sequence its own
         mask policy (THD only); see :mod:`.per_seq_policy`.
+
+        ``_packed_seqs`` is private (not TE's): both THD sides as :func:`.thd.prepare_sides`
+        returned them for this call's cu_seqlens, max_seqlens and pad_between_seqs
+        (MultiheadAttention's rotary path has built them already); not read under context
+        parallelism, which prepares the global metadata itself.
         """
         if inference_params is not None or fp8_output:
             raise NotImplementedError("inference_params (KV caching) and fp8_output are not implemented; pass None / False")
@@ -164,17 +167,18 @@ class DotProductAttention(torch.nn.Module):
         # nothing of this dict, which eager calls keep changing.
         recipe = lookup(self._recipes, key) if key is not None else None
         if recipe is not None:
-            inp = _with_softmax(self, recipe.inputs(self, layers, cus, max_seqlens))
+            inp = recipe.inputs(self, layers, cus, max_seqlens, _packed_seqs)
             fmt, backend = recipe.qkv_format, recipe.selection.backend
             object.__setattr__(self, "last_selection", recipe.selection)
         else:
             fmt = check_format(qkv_format if qkv_format is not None else self.qkv_format)
             qkv = resolve_qkv(*layers, qkv_interleave_dim, fmt)
-            inp = self._inputs(qkv, fmt, attention_mask, cus, max_seqlens, attn_mask_type, window_size, pad_between_seqs,
-                               attn_mask_type_per_seq, thd_sequence_is_causal, bottom_right_diagonal, core_attention_bias_type)
-            _with_softmax(self, inp)
-            self._fill_bias(inp, core_attention_bias_type, core_attention_bias, alibi_slopes)
-            backend = self._select(self._params(inp, fmt, qkv.layout))
+            inp = prepare(self, qkv, fmt, attention_mask=attention_mask, cus=cus, max_seqlens=max_seqlens,
+                          attn_mask_type=attn_mask_type, window_size=window_size, pad_between_seqs=pad_between_seqs,
+                          per_seq=attn_mask_type_per_seq, is_causal=thd_sequence_is_causal,
+                          bottom_right_diagonal=bottom_right_diagonal, bias_type=core_attention_bias_type,
+                          bias=core_attention_bias, alibi_slopes=alibi_slopes, packed=_packed_seqs)
+            backend = self._select(selection_params(self, inp, fmt, qkv.layout))
             if key is not None:
                 remember(self._recipes, key, recipe_of(inp, self.last_selection, fmt, qkv, qkv_interleave_dim))
         with self._dropout_rng():
@@ -183,32 +187,15 @@ class DotProductAttention(torch.nn.Module):
             else:
                 out = backend.run(inp, self.training)
         if self.return_max_logit:  # as TE: (output, max logit [H])
-            return _flatten(out, fmt), inp.max_logit
+            # A backend declaring SUPPORTS_RETURN_MAX_LOGIT returned both; one forced past its
+            # declaration (backend_scope(force=...)) only the output.
+            out, max_logit = out if isinstance(out, tuple) else (out, None)
+            return _flatten(out, fmt), max_logit
         return _flatten(out, fmt)
 
     def set_context_parallel_group(self, cp_group: Any, cp_global_ranks: Any, cp_stream: Any, cp_comm_type: str = "p2p") -> None:
         """Set (or, with ``cp_group=None``, clear) context parallelism, as TE's method does."""
         self.cp_config = make_cp_config(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
-
-    def _inputs(self, qkv, fmt, attention_mask, cus, max_seqlens, attn_mask_type, window_size, pad_between_seqs, per_seq,
-                is_causal, bottom_right_diagonal, bias_type) -> AttentionInputs:
-        """Checks the call and builds its inputs (the full path; :mod:`.fast_path` reuses its
-        decisions for calls with the same host facts)."""
-        check_qkv(qkv.q, qkv.k, qkv.v, fmt, self.num_attention_heads_per_partition, self.num_gqa_groups_per_partition, self.head_dims)
-        raw_window = window_size if window_size is not None else self.window_size
-        mask = AttnMaskType.parse(attn_mask_type if attn_mask_type is not None else self.attn_mask_type)
-        mask = check_bottom_right_diagonal(bottom_right_diagonal, mask, raw_window, bias_type == "alibi")
-        mask = check_mask_and_format(mask, fmt, attention_mask, cus[0] is not None)
-        window = normalize_window(raw_window, mask)
-        inp = new_inputs(qkv.q, qkv.k, qkv.v, fmt, MaskSpec(mask, window), self.softmax_scale, self.attention_dropout)
-        if fmt == "thd":
-            self._fill_thd(inp, *cus, *max_seqlens, pad_between_seqs, per_seq, is_causal, raw_window)
-        else:
-            _reject_per_seq(per_seq, is_causal, f"qkv_format={fmt!r}")
-            q, k = inp.q, inp.k
-            inp.q_valid, inp.kv_valid, inp.arbitrary_mask = dense_padding(
-                attention_mask, mask, q.shape[0], q.shape[1], k.shape[1], cus[0], cus[1], q.device)
-        return inp
 
     def _dropout_rng(self):
         if self.get_rng_state_tracker is None or self.sequence_parallel or not (self.training and self.attention_dropout > 0):
@@ -223,76 +210,6 @@ class DotProductAttention(torch.nn.Module):
         # costs microseconds per call looking for parameters and submodules.
         object.__setattr__(self, "last_selection", selection)
         return selection.backend
-
-    def _fill_thd(self, inp, cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_q, max_kv, pad_between, per_seq, is_causal, window):
-        """``window`` is the window as given: each policy normalizes it against its own mask
-        (normalized against a causal module mask it would read (-1, 0), making every policy
-        causal)."""
-        inp.packed_q, inp.packed_kv = prepare_sides((cu_q, cu_kv, cu_q_pad, cu_kv_pad), (max_q, max_kv), pad_between,
-                                                    (inp.q.shape[0], inp.k.shape[0]), inp.q.device)
-        b = inp.packed_q.batch_size
-        inp.policies = _parse_policies(per_seq, is_causal, b, inp.q.device, window)
-        if inp.policies is not None and inp.policies.uniform_spec() is not None:
-            # A uniform policy is exactly the scalar path: one call, same results.
-            inp.mask, inp.policies = inp.policies.uniform_spec(), None
-
-    def _fill_bias(self, inp: AttentionInputs, bias_type, bias, alibi_slopes) -> None:
-        b = inp.packed_q.batch_size if inp.is_thd else inp.q.shape[0]
-        sq = inp.packed_q.max_seqlen if inp.is_thd else inp.q.shape[1]
-        skv = inp.packed_kv.max_seqlen if inp.is_thd else inp.k.shape[1]
-        inp.extras["bias_shape"] = check_bias(bias_type, bias, alibi_slopes, inp.qkv_format, b, inp.q.shape[-2], sq, skv)
-        if inp.policies is not None and (bias_type != "no_bias"):
-            raise NotImplementedError(f"core_attention_bias_type={bias_type!r} cannot be combined with per-sequence mask policies yet; use 'no_bias'")
-        inp.bias_type, inp.bias, inp.alibi_slopes = bias_type, bias, alibi_slopes
-
-    def _params(self, inp: AttentionInputs, fmt: str, layout: str) -> AttentionParams:
-        q, k, v = inp.q, inp.k, inp.v
-        cuda = q.device.type == "cuda"
-        thd = inp.is_thd
-        return AttentionParams(
-            qkv_dtype=q.dtype,
-            device_type=q.device.type,
-            compute_capability=compute_capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) if cuda else None,
-            qkv_format=fmt,
-            qkv_layout=layout,
-            batch_size=inp.packed_q.batch_size if thd else q.shape[0],
-            num_heads=q.shape[-2],
-            num_gqa_groups=k.shape[-2],
-            max_seqlen_q=inp.packed_q.max_seqlen if thd else q.shape[1],
-            max_seqlen_kv=inp.packed_kv.max_seqlen if thd else k.shape[1],
-            head_dim_qk=q.shape[-1],
-            head_dim_v=v.shape[-1],
-            attn_mask_type=inp.mask.mask_type,
-            window_size=inp.mask.window,
-            attention_dropout=self.attention_dropout,
-            core_attention_bias_type=inp.bias_type,
-            core_attention_bias_shape=inp.extras.get("bias_shape"),
-            alibi_slopes_shape=None if inp.alibi_slopes is None else tuple(inp.alibi_slopes.shape),
-            pad_between_seqs=thd and (inp.packed_q.has_gaps or inp.packed_kv.has_gaps),
-            per_seq_policies=None if inp.policies is None else inp.policies.specs,
-            shared_cu_seqlens=thd and inp.same_lengths,
-            has_padding_mask=inp.q_valid is not None or inp.kv_valid is not None,
-            is_training=self.training,
-            requires_grad=torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, inp.softmax_offset)),
-            softmax_type=self.softmax_type,
-            return_max_logit=self.return_max_logit,
-        )
-
-
-def _parse_policies(per_seq, is_causal, b: int, device, window) -> Optional[SeqPolicies]:
-    if per_seq is not None and is_causal is not None:
-        raise ValueError("pass attn_mask_type_per_seq or thd_sequence_is_causal, not both")
-    if per_seq is not None:
-        return from_mask_type_dict(per_seq, b, device, window)
-    if is_causal is not None:
-        return from_is_causal(is_causal, b, device, window)
-    return None
-
-
-def _reject_per_seq(per_seq, is_causal, what: str) -> None:
-    if per_seq is not None or is_causal is not None:
-        name = "attn_mask_type_per_seq" if per_seq is not None else "thd_sequence_is_causal"
-        raise NotImplementedError(f"{name} needs qkv_format='thd' (per-sequence policies are a packed-batch feature); got {what}")
 
 
 def _add_softmax_offset(module: torch.nn.Module, softmax_type: str, heads: int, get_rng_state_tracker) -> None:
@@ -310,13 +227,6 @@ def _add_softmax_offset(module: torch.nn.Module, softmax_type: str, heads: int, 
         module.register_buffer("softmax_offset", torch.zeros(heads, dtype=torch.float32), persistent=False)
     else:
         module.softmax_offset = None
-
-
-def _with_softmax(module, inp: AttentionInputs) -> AttentionInputs:
-    """The module's softmax variant onto a call's inputs (both the full and the fast path)."""
-    inp.softmax_type, inp.softmax_offset = module.softmax_type, module.softmax_offset
-    inp.return_max_logit = module.return_max_logit
-    return inp
 
 
 def _reject_under_cp(module, bottom_right_diagonal) -> None:

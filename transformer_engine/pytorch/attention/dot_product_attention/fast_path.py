@@ -20,13 +20,13 @@ tracing (which guards on these facts itself).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 import torch
 
-from .masks import MaskSpec
 from .packed_qkv import ResolvedQKV, split_packed
-from .params import AttentionInputs
+from .params import AttentionInputs, assemble_inputs, static_half
+from .prepare import PackedSides, bshd_views
 from .thd import PackedSeqs, checked_or_safe, validation_enabled
 from .environment import compiling, env_snapshot
 from .layouts import stride_rules_out_packing
@@ -36,39 +36,37 @@ from .layouts import stride_rules_out_packing
 MAX_RECIPES = 32
 
 
-def new_inputs(q, k, v, qkv_format: str, mask: MaskSpec, softmax_scale: float, dropout_p: float) -> AttentionInputs:
-    """The inputs record both paths start from (sbhd runs as a transposed bshd view)."""
-    if qkv_format == "sbhd":
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    return AttentionInputs(q, k, v, "thd" if qkv_format == "thd" else "bshd", mask, softmax_scale, dropout_p)
-
-
 @dataclass(frozen=True)
 class CallRecipe:
-    """What the full path decided for one key."""
+    """What the full path decided for one key: how to find q/k/v and the packed offsets, the
+    static half of its :class:`AttentionInputs`, and the backend selection."""
 
     qkv_format: str
     packing: Optional[str]  # "qkv" / "kv" when declared through qkv_layer / kv_layer
     interleave_dim: int
-    mask: MaskSpec
     q_padded: bool  # THD: the queries' offsets are cu_seqlens_q_padded (else cu_seqlens_q)
     kv_padded: bool
-    selection: Any  # utils.BackendSelection
+    static: Mapping[str, Any]  # params.static_half of the full path's inputs
+    selection: Any  # selection.BackendSelection
 
-    def inputs(self, module, layers: Sequence[Optional[torch.Tensor]], cus, max_seqlens) -> AttentionInputs:
+    def inputs(self, module, layers: Sequence[Optional[torch.Tensor]], cus, max_seqlens,
+               packed: Optional[PackedSides] = None) -> AttentionInputs:
+        """The call's inputs as :func:`.prepare.prepare` would build them (``packed``: both THD
+        sides already prepared by the caller for these arguments)."""
         query, key, value, qkv_layer, kv_layer = layers
         if self.packing == "qkv":
             query, key, value = split_packed(qkv_layer, self.interleave_dim)
         elif self.packing == "kv":
             key, value = split_packed(kv_layer, self.interleave_dim)
-        inp = new_inputs(query, key, value, self.qkv_format, self.mask, module.softmax_scale, module.attention_dropout)
+        q, k, v = bshd_views(query, key, value, self.qkv_format)
+        pq = pk = None
         if self.qkv_format == "thd":
-            cu_q, cu_kv, cu_q_pad, cu_kv_pad = cus
-            inp.packed_q, inp.packed_kv = checked_or_safe(
-                PackedSeqs(cu_q, cu_q_pad if self.q_padded else cu_q, max_seqlens[0], inp.q.shape[0]),
-                PackedSeqs(cu_kv, cu_kv_pad if self.kv_padded else cu_kv, max_seqlens[1], inp.k.shape[0]))
-        inp.extras["bias_shape"] = None
-        return inp
+            if packed is None:
+                cu_q, cu_kv, cu_q_pad, cu_kv_pad = cus
+                packed = checked_or_safe(PackedSeqs(cu_q, cu_q_pad if self.q_padded else cu_q, max_seqlens[0], q.shape[0]),
+                                         PackedSeqs(cu_kv, cu_kv_pad if self.kv_padded else cu_kv, max_seqlens[1], k.shape[0]))
+            pq, pk = packed
+        return assemble_inputs(self.static, q, k, v, pq, pk, module.softmax_scale, module.softmax_offset)
 
 
 def recipe_of(inp: AttentionInputs, selection, qkv_format: str, qkv: ResolvedQKV, interleave_dim: int) -> Optional[CallRecipe]:
@@ -78,11 +76,14 @@ def recipe_of(inp: AttentionInputs, selection, qkv_format: str, qkv: ResolvedQKV
         return None
     if not qkv.declared and not stride_rules_out_packing(qkv.q, qkv.k, qkv.v):
         return None
+    static = static_half(inp)
+    if any(isinstance(value, torch.Tensor) for value in static.values()):
+        return None  # a tensor of this call (a bias): not the next call's
     q_padded = kv_padded = False
     if inp.is_thd:
         q_padded = inp.packed_q.offsets is not inp.packed_q.cu_seqlens
         kv_padded = inp.packed_kv.offsets is not inp.packed_kv.cu_seqlens
-    return CallRecipe(qkv_format, qkv.packing if qkv.declared else None, interleave_dim, inp.mask, q_padded, kv_padded, selection)
+    return CallRecipe(qkv_format, qkv.packing if qkv.declared else None, interleave_dim, q_padded, kv_padded, static, selection)
 
 
 def _tensor_facts(t) -> tuple:

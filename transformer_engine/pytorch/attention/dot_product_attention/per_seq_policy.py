@@ -137,3 +137,22 @@ def _describe(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"tensor of shape {tuple(x.shape)}, dtype {x.dtype}"
     return type(x).__name__
+
+
+def parse_policies(per_seq, is_causal, batch_size: int, device: torch.device, window_size) -> Optional[SeqPolicies]:
+    """The policies of a THD call from either spelling (None when neither is given);
+    ``window_size`` as given to the call, normalized here against each policy's own mask."""
+    if per_seq is not None and is_causal is not None:
+        raise ValueError("pass attn_mask_type_per_seq or thd_sequence_is_causal, not both")
+    if per_seq is not None:
+        return from_mask_type_dict(per_seq, batch_size, device, window_size)
+    if is_causal is not None:
+        return from_is_causal(is_causal, batch_size, device, window_size)
+    return None
+
+
+def reject_per_seq(per_seq, is_causal, what: str) -> None:
+    """Per-sequence policies are a packed-batch feature: refused by name for ``what``."""
+    if per_seq is not None or is_causal is not None:
+        name = "attn_mask_type_per_seq" if per_seq is not None else "thd_sequence_is_causal"
+        raise NotImplementedError(f"{name} needs qkv_format='thd' (per-sequence policies are a packed-batch feature); got {what}")

@@ -48,9 +48,9 @@ MAX_SCORES = UNFUSED_MAX_SCORES
 DEFAULT_MAX_SCORES = 1 << 26
 
 
-def unfused_attention(inp: AttentionInputs, training: bool) -> torch.Tensor:
-    """Run attention; returns [B, SQ, H, Dv] (dense) or [T, H, Dv] (THD). With
-    ``inp.return_max_logit`` it also sets ``inp.max_logit`` ([H], float32/float64)."""
+def unfused_attention(inp: AttentionInputs, training: bool) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Run attention; returns [B, SQ, H, Dv] (dense) or [T, H, Dv] (THD), and with
+    ``inp.return_max_logit`` also the max logit ([H], float32/float64): (out, max_logit)."""
     if not inp.is_thd:
         out, max_logit = _dense(inp, training)
     else:
@@ -61,7 +61,7 @@ def unfused_attention(inp: AttentionInputs, training: bool) -> torch.Tensor:
         else:
             out, max_logit = _thd_gathered(inp, training)
     if inp.return_max_logit:
-        inp.max_logit = max_logit
+        return out, max_logit
     return out
 
 

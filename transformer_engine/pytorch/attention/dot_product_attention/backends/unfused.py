@@ -3,6 +3,8 @@ computation itself is :mod:`..unfused` (the reference the other backends are che
 
 from __future__ import annotations
 
+from typing import Tuple, Union
+
 import torch
 
 from ..masks import AttnMaskType
@@ -34,5 +36,7 @@ class UnfusedDotProductAttention(BackendSupport):
         return bias_thd_reasons(params)
 
     @staticmethod
-    def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
+    def run(inp: AttentionInputs, training: bool) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """The output, or (output, max logit [H]) with ``inp.return_max_logit`` (the one backend
+        that declares SUPPORTS_RETURN_MAX_LOGIT)."""
         return unfused_attention(inp, training)

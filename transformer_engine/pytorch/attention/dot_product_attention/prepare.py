@@ -1,0 +1,138 @@
+"""One forward call, checked once and prepared into the record the backends run on.
+
+:func:`prepare` is the full path: it checks the arguments, derives every fact of the call once
+(format, mask and window, packed metadata and gaps, per-sequence policies, dense padding, bias
+shape, softmax variant) and returns a finished, immutable :class:`AttentionInputs`.
+:meth:`.fast_path.CallRecipe.inputs` builds the same record for a repeated call from what an
+earlier :func:`prepare` decided, without the checks. :func:`selection_params` reads the
+record's host facts into the :class:`AttentionParams` that backend selection looks at.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+
+from .libraries import compute_capability
+from .masks import AttnMaskType, MaskSpec, normalize_window
+from .packed_qkv import ResolvedQKV
+from .params import AttentionInputs, AttentionParams
+from .per_seq_policy import SeqPolicies, parse_policies, reject_per_seq
+from .thd import PackedSeqs, prepare_sides
+from .validation import check_bias, check_bottom_right_diagonal, check_mask_and_format, check_qkv, dense_padding
+
+PackedSides = Tuple[PackedSeqs, PackedSeqs]
+
+
+def bshd_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_format: str) -> Tuple[torch.Tensor, ...]:
+    """q/k/v as the backends take them: sbhd runs as a transposed bshd view (no copy)."""
+    if qkv_format == "sbhd":
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    return q, k, v
+
+
+def prepare(
+    module: Any,
+    qkv: ResolvedQKV,
+    qkv_format: str,
+    *,
+    attention_mask: Any,
+    cus: Tuple[Optional[torch.Tensor], ...],
+    max_seqlens: Tuple[Optional[int], Optional[int]],
+    attn_mask_type: Optional[str],
+    window_size: Optional[Tuple[int, int]],
+    pad_between_seqs: Optional[bool],
+    per_seq: Any,
+    is_causal: Optional[torch.Tensor],
+    bottom_right_diagonal: Optional[bool],
+    bias_type: str,
+    bias: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor],
+    packed: Optional[PackedSides] = None,
+) -> AttentionInputs:
+    """The checked, complete inputs of one call of ``module`` (a DotProductAttention).
+
+    ``cus`` = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded);
+    ``max_seqlens`` = (q, kv); ``per_seq`` / ``is_causal`` are ``attn_mask_type_per_seq`` /
+    ``thd_sequence_is_causal``. ``packed``: both THD sides as :func:`.thd.prepare_sides` already
+    returned them for these same arguments (MultiheadAttention's rotary path), not built again.
+    """
+    check_qkv(qkv.q, qkv.k, qkv.v, qkv_format, module.num_attention_heads_per_partition, module.num_gqa_groups_per_partition,
+              module.head_dims)
+    # Kept as given for the policies: each normalizes it against its own mask (normalized against
+    # a causal module mask it would read (-1, 0), making every policy causal).
+    raw_window = window_size if window_size is not None else module.window_size
+    mask = AttnMaskType.parse(attn_mask_type if attn_mask_type is not None else module.attn_mask_type)
+    mask = check_bottom_right_diagonal(bottom_right_diagonal, mask, raw_window, bias_type == "alibi")
+    mask = check_mask_and_format(mask, qkv_format, attention_mask, cus[0] is not None)
+    spec = MaskSpec(mask, normalize_window(raw_window, mask))
+    q, k, v = bshd_views(qkv.q, qkv.k, qkv.v, qkv_format)
+    pq = pk = policies = None
+    dense: Tuple[Optional[torch.Tensor], ...] = (None, None, None)
+    if qkv_format == "thd":
+        pq, pk, policies, spec = _packed_call(q, k, cus, max_seqlens, pad_between_seqs, per_seq, is_causal, raw_window, spec, packed)
+        sizes = (pq.batch_size, pq.max_seqlen, pk.max_seqlen)
+    else:
+        reject_per_seq(per_seq, is_causal, f"qkv_format={qkv_format!r}")
+        dense = dense_padding(attention_mask, mask, q.shape[0], q.shape[1], k.shape[1], cus[0], cus[1], q.device)
+        sizes = (q.shape[0], q.shape[1], k.shape[1])
+    fmt = "thd" if qkv_format == "thd" else "bshd"
+    bias_shape = check_bias(bias_type, bias, alibi_slopes, fmt, sizes[0], q.shape[-2], sizes[1], sizes[2])
+    if policies is not None and bias_type != "no_bias":
+        raise NotImplementedError(f"core_attention_bias_type={bias_type!r} cannot be combined with per-sequence mask policies yet; use 'no_bias'")
+    return AttentionInputs(
+        q, k, v, fmt, spec, module.softmax_scale, module.attention_dropout, packed_q=pq, packed_kv=pk, policies=policies,
+        q_valid=dense[0], kv_valid=dense[1], arbitrary_mask=dense[2], bias_type=bias_type, bias=bias, bias_shape=bias_shape,
+        alibi_slopes=alibi_slopes, softmax_type=module.softmax_type, softmax_offset=module.softmax_offset,
+        return_max_logit=module.return_max_logit)
+
+
+def _packed_call(q, k, cus, max_seqlens, pad_between_seqs, per_seq, is_causal, raw_window, spec: MaskSpec,
+                 packed: Optional[PackedSides]) -> Tuple[PackedSeqs, PackedSeqs, Optional[SeqPolicies], MaskSpec]:
+    """Both packed sides, the per-sequence policies and the call's mask of a THD call."""
+    if packed is None:
+        packed = prepare_sides(cus, max_seqlens, pad_between_seqs, (q.shape[0], k.shape[0]), q.device)
+    pq, pk = packed
+    policies = parse_policies(per_seq, is_causal, pq.batch_size, q.device, raw_window)
+    if policies is not None and policies.uniform_spec() is not None:
+        # A uniform policy is exactly the scalar path: one call, same results.
+        return pq, pk, None, policies.uniform_spec()
+    return pq, pk, policies, spec
+
+
+def selection_params(module: Any, inp: AttentionInputs, qkv_format: str, layout: str) -> AttentionParams:
+    """The host facts of a prepared call that backend selection reads (``qkv_format`` as the
+    caller named it: sbhd stays sbhd here)."""
+    q, k, v = inp.q, inp.k, inp.v
+    thd = inp.is_thd
+    device = q.device
+    cc = compute_capability(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else None
+    return AttentionParams(
+        qkv_dtype=q.dtype,
+        device_type=device.type,
+        compute_capability=cc,
+        qkv_format=qkv_format,
+        qkv_layout=layout,
+        batch_size=inp.packed_q.batch_size if thd else q.shape[0],
+        num_heads=q.shape[-2],
+        num_gqa_groups=k.shape[-2],
+        max_seqlen_q=inp.packed_q.max_seqlen if thd else q.shape[1],
+        max_seqlen_kv=inp.packed_kv.max_seqlen if thd else k.shape[1],
+        head_dim_qk=q.shape[-1],
+        head_dim_v=v.shape[-1],
+        attn_mask_type=inp.mask.mask_type,
+        window_size=inp.mask.window,
+        attention_dropout=inp.dropout_p,
+        core_attention_bias_type=inp.bias_type,
+        core_attention_bias_shape=inp.bias_shape,
+        alibi_slopes_shape=None if inp.alibi_slopes is None else tuple(inp.alibi_slopes.shape),
+        pad_between_seqs=thd and (inp.packed_q.has_gaps or inp.packed_kv.has_gaps),
+        per_seq_policies=None if inp.policies is None else inp.policies.specs,
+        shared_cu_seqlens=thd and inp.same_lengths,
+        has_padding_mask=inp.q_valid is not None or inp.kv_valid is not None,
+        is_training=module.training,
+        requires_grad=torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, inp.softmax_offset)),
+        softmax_type=inp.softmax_type,
+        return_max_logit=inp.return_max_logit,
+    )
