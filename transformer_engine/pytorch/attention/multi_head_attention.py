@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .dot_product_attention import DotProductAttention
 from .tensor_parallel import enter_column_parallel, leave_row_parallel, per_partition, tp_world_size
+from .dot_product_attention.cp_partition import dense_positions, positions_of_local_rows
 from .dot_product_attention.thd import PackedSeqs, prepare_sides, value_checks_on
 
 
@@ -249,19 +250,45 @@ class MultiheadAttention(torch.nn.Module):
         return dict(query_layer=q, key_layer=self.key(source).view(*kv_lead, hg, d), value_layer=self.value(source).view(*kv_lead, hg, d))
 
     def _apply_rope(self, packed: dict, rope, cu_q, cu_kv, cu_q_pad, cu_kv_pad, pad_between) -> dict:
-        """Rotary embeddings act on q and k separately, so this is the sliced path."""
+        """Rotary embeddings act on q and k separately, so this is the sliced path. Under context
+        parallelism each local row is rotated by its GLOBAL position (the rank holds chunks r and
+        2cp-1-r of every sequence), as TE does."""
         q, k, v = _split(packed)
         q_freqs, k_freqs = rope if isinstance(rope, tuple) else (rope, rope)
+        cfg = self.core_attention.cp_config
+        cp = (cfg.size, cfg.rank) if cfg is not None and cfg.size > 1 else (1, 0)
         if self.qkv_format == "thd":
-            # The same checks (and, on CUDA, bounds) as DotProductAttention's; a length can be no
-            # more than the tensor's rows, which stands in for the max_seqlen rotary does not need.
-            pq, pk = prepare_sides((cu_q, cu_kv, cu_q_pad, cu_kv_pad), (q.shape[0], k.shape[0]), pad_between,
-                                   (q.shape[0], k.shape[0]), q.device)
-            q_pos, k_pos = _positions(pq), _positions(pk)
+            q_pos, k_pos = _thd_positions(q, k, (cu_q, cu_kv, cu_q_pad, cu_kv_pad), pad_between, cp)
         else:
             q_pos = k_pos = None
+            if cp[0] > 1:
+                seq_dim = 0 if self.qkv_format == "sbhd" else 1
+                q_freqs = _cp_dense_freqs(q_freqs, q.shape[seq_dim], cp)
+                k_freqs = _cp_dense_freqs(k_freqs, k.shape[seq_dim], cp)
         return dict(query_layer=apply_rotary_pos_emb(q, q_freqs, self.qkv_format, q_pos),
                     key_layer=apply_rotary_pos_emb(k, k_freqs, self.qkv_format, k_pos), value_layer=v)
+
+
+def _thd_positions(q: torch.Tensor, k: torch.Tensor, cus, pad_between, cp: Tuple[int, int]):
+    """Position within its sequence of every q and k row (0 on rows outside any sequence).
+    The same checks (and, on CUDA, bounds) as DotProductAttention's; a length can be no more
+    than the (global) rows, which stands in for the max_seqlen rotary does not need."""
+    size, rank = cp
+    totals = (q.shape[0] * size, k.shape[0] * size)  # under CP the offsets index global rows
+    pq, pk = prepare_sides(cus, totals, pad_between, totals, q.device)
+    if size == 1:
+        return _positions(pq), _positions(pk)
+    return tuple(positions_of_local_rows(p.offsets.long(), p.seqlens().long(), size, rank, t.shape[0])
+                 for p, t in ((pq, q), (pk, k)))
+
+
+def _cp_dense_freqs(freqs: torch.Tensor, local_len: int, cp: Tuple[int, int]) -> torch.Tensor:
+    """The rows of ``freqs`` for a rank's bshd/sbhd rows under context parallelism."""
+    size, rank = cp
+    if freqs.shape[0] < local_len * size:
+        raise ValueError(f"rotary_pos_emb must hold a row for every position: the global sequence has {local_len * size} "
+                         f"positions ({local_len} local rows x cp size {size}) but rotary_pos_emb has {freqs.shape[0]} rows")
+    return freqs.index_select(0, dense_positions(local_len, size, rank, freqs.device))
 
 
 def _default_init(weight: torch.Tensor) -> None:
