@@ -148,3 +148,18 @@ def test_rope_too_short_for_the_global_sequence():
     with pytest.raises(ValueError, match=r"rotary_pos_emb must hold a row for every position: the global sequence has 8 "
                                          r"positions \(4 local rows x cp size 2\) but rotary_pos_emb has 6 rows"):
         _cp_dense_freqs(_freqs(6), 4, (2, 1))
+
+
+def test_cp_rank_of_a2a_p2p_groups():
+    """The rank MultiheadAttention rotates for is the CP rank the data is partitioned for:
+    p2p_rank * a2a_size + a2a_rank under a2a+p2p."""
+    from transformer_engine.pytorch.attention.dot_product_attention.context_parallel import make_cp_config
+    from transformer_engine.pytorch.attention.dot_product_attention.cp_comm import CPComm
+
+    class Fake(CPComm):
+        def __init__(self, size: int, rank: int) -> None:  # no process group behind it
+            self.group, self.size, self.rank, self.backend, self.stream = None, size, rank, "none", None
+
+    cfg = make_cp_config([Fake(2, 1), Fake(3, 2)], None, None, "a2a+p2p")
+    assert (cfg.size, cfg.rank) == (6, 5)
+    assert make_cp_config(Fake(4, 3), None, None, "p2p").rank == 3
