@@ -49,6 +49,7 @@ run_file test_softmax_variants.py
 run_file test_unfused_memory.py
 run_file test_gpu_softmax_variants.py
 run_file test_context_parallel.py
+run_file test_mha_context_parallel.py
 run_file test_gpu_context_parallel.py
 run_file test_gpu_cp_sync_free.py
 run_file test_te_matrix.py

@@ -32,7 +32,8 @@ class Case:
     window: Optional[Tuple[int, int]] = None
     policy_windows: Tuple = ()  # for policy="dict": ((mask, window), ...) for sequences 0, 1, 2
     cross: bool = False  # different kv lengths (full masks only)
-    packed: bool = False  # pass q/k/v as one declared qkv_layer
+    packed: str = ""  # declared packed input: "qkv:-3", "qkv:-2" (qkv_layer), "kv:-3", "kv:-2" (kv_layer)
+    dropout: float = 0.0  # attention_dropout of the module (training mode)
     dtype: str = "float64"
     error: Optional[Tuple[str, str]] = None  # (exception name, message fragment)
     bad_slots: bool = False
@@ -177,7 +178,7 @@ def run_case(case: Case, world: int, rank: int, cp_group, device="cpu", check_to
     if case.thd_attention_mask:
         batch.kwargs["attention_mask"] = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)  # would mask all
     dpa = DotProductAttention(case.h, case.d, num_gqa_groups=case.hg, qkv_format=case.fmt, attn_mask_type=case.mask,
-                              cp_group=cp_group, cp_comm_type=case.comm)
+                              cp_group=cp_group, cp_comm_type=case.comm, attention_dropout=case.dropout)
     slots = batch.kwargs.get("cu_seqlens_q_padded", batch.kwargs.get("cu_seqlens_q"))
     slots_kv = batch.kwargs.get("cu_seqlens_kv_padded", batch.kwargs.get("cu_seqlens_kv"))
     lq = [_local(t, case, world, rank, slots).detach().requires_grad_() for t in (batch.q,)]
@@ -192,16 +193,12 @@ def run_case(case: Case, world: int, rank: int, cp_group, device="cpu", check_to
             assert type(err).__name__ == name and fragment in str(err), f"got {type(err).__name__}: {err}"
             return
         raise AssertionError(f"expected {name} containing {fragment!r}; nothing raised")
+    dout = _to_fmt(_local(batch.dout, case, world, rank, slots), case.fmt)
     if case.packed:
-        qkv = torch.stack([_to_fmt(t, case.fmt) for t in leaves], dim=-3).detach().requires_grad_()
-        out = dpa(qkv_layer=qkv, **batch.kwargs)
-        out.backward(_to_fmt(_local(batch.dout, case, world, rank, slots), case.fmt).reshape(out.shape))
-        grads = list(qkv.grad.unbind(-3))
-        if case.fmt == "sbhd":
-            grads = [g_.transpose(0, 1) for g_ in grads]
+        out, grads = _run_packed(dpa, case, leaves, batch.kwargs, dout)
     else:
         out = dpa(*inputs, **batch.kwargs)
-        out.backward(_to_fmt(_local(batch.dout, case, world, rank, slots), case.fmt).reshape(out.shape))
+        out.backward(dout.reshape(out.shape))
         grads = [t.grad for t in leaves]
     selection = getattr(dpa, "last_selection", None)
     _LAST["label"] = selection.label if selection is not None else "ordinary path (a2a)"
@@ -221,6 +218,83 @@ def run_case(case: Case, world: int, rank: int, cp_group, device="cpu", check_to
                                         (slots, slots, slots_kv, slots_kv)):
             pad = ~_local(valid, case, world, rank, sl.cpu())
             assert bool((got.detach().cpu()[pad] == 0).all()), f"{name}: a padding row is not exactly 0 on rank {rank}"
+
+
+def _dropout_run(dpa, case: Case, world: int, rank: int, batch: Batch, seed: int):
+    """Forward and backward of this rank's rows with dropout drawn after ``manual_seed(seed)``."""
+    slots = batch.kwargs.get("cu_seqlens_q_padded", batch.kwargs["cu_seqlens_q"])
+    leaves = [_local(t, case, world, rank, slots).detach().requires_grad_() for t in (batch.q, batch.k, batch.v)]
+    torch.manual_seed(seed)
+    out = dpa(*leaves, **batch.kwargs)
+    out.backward(_local(batch.dout, case, world, rank, slots).reshape(out.shape))
+    return [out.detach().view(leaves[0].shape[0], case.h, -1)] + [t.grad for t in leaves]
+
+
+def _head_group_oracle(case: Case, world: int, batch: Batch, seed: int):
+    """What a2a with dropout must give: head group g (of ``world``) is attended over the whole
+    sequence by rank g's ordinary call, so it equals one single-process call on those heads
+    with the same seed (every rank seeds alike). Returns global [out, dq, dk, dv], all heads."""
+    h, hg = case.h // world, case.hg // world
+    parts = []
+    for g in range(world):
+        dpa = DotProductAttention(h, case.d, num_gqa_groups=hg, qkv_format="thd", attn_mask_type=case.mask,
+                                  attention_dropout=case.dropout)
+        leaves = [batch.q[:, g * h : (g + 1) * h], batch.k[:, g * hg : (g + 1) * hg], batch.v[:, g * hg : (g + 1) * hg]]
+        leaves = [t.detach().clone().requires_grad_() for t in leaves]
+        torch.manual_seed(seed)
+        out = dpa(*leaves, **batch.kwargs)
+        out.backward(batch.dout[:, g * h : (g + 1) * h].reshape(out.shape))
+        parts.append([out.detach().view(-1, h, case.d)] + [t.grad for t in leaves])
+    return [torch.cat(ts, dim=1) for ts in zip(*parts)]
+
+
+def run_dropout_case(case: Case, world: int, rank: int, cp_group) -> None:
+    """a2a with dropout: each rank's rows and gradients equal the per-head-group oracle, two
+    runs with one seed agree bit for bit, padding rows stay exactly 0, dropout really acts
+    (the result differs from the dropout-free reference), and in eval mode it is the reference."""
+    batch = _thd_batch(case, world, "cpu", getattr(torch, case.dtype))
+    dpa = DotProductAttention(case.h, case.d, num_gqa_groups=case.hg, qkv_format="thd", attn_mask_type=case.mask,
+                              cp_group=cp_group, cp_comm_type=case.comm, attention_dropout=case.dropout)
+    first, again = _dropout_run(dpa, case, world, rank, batch, 7), _dropout_run(dpa, case, world, rank, batch, 7)
+    slots = batch.kwargs.get("cu_seqlens_q_padded", batch.kwargs["cu_seqlens_q"])
+    names = ("out", "dq", "dk", "dv")
+    for name, a, b in zip(names, first, again):
+        assert torch.equal(a, b), f"{name}: two runs with one seed differ on rank {rank}"
+    oracle = _head_group_oracle(case, world, batch, 7)
+    plain = _reference(case, batch, dpa.softmax_scale)
+    for name, got, want, free in zip(names, first, oracle, plain):
+        want, free = _local(want, case, world, rank, slots), _local(free, case, world, rank, slots)
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), f"{name}: differs from the head-group oracle on rank {rank}"
+        assert not torch.allclose(got, free.view(got.shape), atol=1e-3), f"{name}: dropout had no effect on rank {rank}"
+        valid = batch.valid_kv if name in ("dk", "dv") else batch.valid_q  # one slot layout: not cross
+        assert bool((got[~_local(valid, case, world, rank, slots)] == 0).all()), f"{name}: a padding row is not exactly 0 on rank {rank}"
+    dpa.eval()
+    leaves = [_local(t, case, world, rank, slots).detach() for t in (batch.q, batch.k, batch.v)]
+    with torch.no_grad():
+        out = dpa(*leaves, **batch.kwargs).view(leaves[0].shape[0], case.h, -1)
+    want = _local(plain[0], case, world, rank, slots)
+    assert torch.allclose(out, want, rtol=1e-9, atol=1e-9), f"eval-mode output differs from the reference on rank {rank}"
+
+
+def _run_packed(dpa, case: Case, leaves, kwargs, dout):
+    """The call through a declared packed buffer (``qkv_layer``, or ``query_layer`` with
+    ``kv_layer``) stacked at ``qkv_interleave_dim``; the gradients are the packed buffer's
+    gradient taken apart again (and the query's for ``kv_layer``), in [B,S]/[T] order."""
+    kind, dim = case.packed.split(":")
+    dim = int(dim)
+    fmt = [_to_fmt(t.detach(), case.fmt) for t in leaves]
+    if kind == "qkv":
+        buf = torch.stack(fmt, dim=dim).requires_grad_()
+        out = dpa(qkv_layer=buf, qkv_interleave_dim=dim, **kwargs)
+    else:
+        q = fmt[0].requires_grad_()
+        buf = torch.stack(fmt[1:], dim=dim).requires_grad_()
+        out = dpa(query_layer=q, kv_layer=buf, qkv_interleave_dim=dim, **kwargs)
+    out.backward(dout.reshape(out.shape))
+    grads = ([] if kind == "qkv" else [q.grad]) + list(buf.grad.unbind(dim))
+    if case.fmt == "sbhd":
+        grads = [g_.transpose(0, 1) for g_ in grads]
+    return out, grads
 
 
 _LAST = {}
@@ -247,7 +321,10 @@ def worker(rank: int, world: int, port: int, cases: List[Case], outdir: str, dev
             if key not in group_cache:
                 group_cache[key] = groups_for(case.comm, world)
             try:
-                run_case(case, world, rank, group_cache[key], device)
+                if case.dropout > 0 and case.error is None:
+                    run_dropout_case(case, world, rank, group_cache[key])
+                else:
+                    run_case(case, world, rank, group_cache[key], device)
                 label = _last_label(device)
                 results.append(f"{case.id}\tok" if label is None else f"{case.id}\tok\t{label}")
             except Exception:  # noqa: BLE001 - reported to the test by case id

@@ -4,6 +4,7 @@ reference on the global batch, and padding rows must be exactly 0."""
 
 from __future__ import annotations
 
+import re
 import socket
 import tempfile
 
@@ -11,8 +12,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from transformer_engine.pytorch import gather_context_parallel, get_cp_partition_indices, partition_for_context_parallel
+from transformer_engine.pytorch import DotProductAttention, gather_context_parallel, get_cp_partition_indices, partition_for_context_parallel
 from transformer_engine.pytorch.attention.dot_product_attention.context_parallel import cp_support_markdown
+from transformer_engine.pytorch.attention.dot_product_attention.cp_comm import CPComm
 
 from .cp_cases import Case, worker
 
@@ -27,16 +29,29 @@ WORLD2 = [
     Case("p2p-bshd-causal", "p2p", fmt="bshd", mask="causal"),
     Case("p2p-sbhd-full", "p2p", fmt="sbhd", mask="no_mask"),
     Case("p2p-float32", "p2p", dtype="float32"),
-    Case("p2p-qkv-layer", "p2p", h=4, hg=4, packed=True),
+    Case("p2p-qkv-layer", "p2p", h=4, hg=4, packed="qkv:-3"),
+    Case("p2p-th3d-layer", "p2p", h=4, hg=4, packed="qkv:-2"),
+    Case("p2p-kv-layer-gqa", "p2p", packed="kv:-3"),
+    Case("p2p-kv-layer-cross", "p2p", mask="padding", cross=True, packed="kv:-2"),
+    Case("p2p-bshd-kv-layer", "p2p", fmt="bshd", mask="causal", packed="kv:-2"),
     Case("ag-causal-gaps", "all_gather"),
     Case("ag-window-policies", "all_gather", policy="dict", policy_windows=CAUSAL_WINDOW, mask="padding"),
     Case("ag-bshd-window", "all_gather", fmt="bshd", mask="causal", window=(5, 0)),
     Case("ag-full-cross", "all_gather", mask="padding", cross=True),
+    Case("ag-th3d-layer", "all_gather", h=4, hg=4, packed="qkv:-2"),
+    Case("ag-kv-layer-policies", "all_gather", policy="is_causal", mask="padding", packed="kv:-2"),
     Case("a2a-causal-gaps", "a2a"),
     Case("a2a-windows-policies", "a2a", policy="dict", policy_windows=WINDOWS_A2A, mask="padding"),
     Case("a2a-sbhd-window", "a2a", fmt="sbhd", mask="no_mask", window=(3, 2)),
     Case("a2a-is-causal", "a2a", policy="is_causal", mask="padding"),
     Case("a2a-full-cross", "a2a", mask="padding", cross=True),
+    Case("a2a-qkv-layer", "a2a", h=4, hg=4, packed="qkv:-3"),
+    Case("a2a-kv-layer-gqa", "a2a", packed="kv:-3"),
+    Case("a2a-sbhd-th3d-layer", "a2a", fmt="sbhd", mask="causal", h=4, hg=4, packed="qkv:-2"),
+    Case("a2a-dropout", "a2a", dropout=0.5),
+    Case("a2a-dropout-policies", "a2a", policy="is_causal", mask="padding", dropout=0.5),
+    Case("err-p2p-dropout", "p2p", dropout=0.1, error=("NotImplementedError", "attention_dropout=> 0 with cp_comm_type='p2p'")),
+    Case("err-ag-dropout", "all_gather", dropout=0.1, error=("NotImplementedError", "attention_dropout=> 0 with cp_comm_type='all_gather'")),
     Case("err-p2p-window", "p2p", window=(3, 0), error=("NotImplementedError", "window_size=(3, 0)")),
     Case("err-ag-two-sided", "all_gather", mask="padding", window=(2, 2), error=("NotImplementedError", "window_size=(2, 2)")),
     Case("err-a2a-heads", "a2a", h=3, hg=3, error=("NotImplementedError", "num_attention_heads=3")),
@@ -55,6 +70,10 @@ WORLD4 = [
     Case("w4-a2a+p2p-causal", "a2a+p2p"),
     Case("w4-a2a+p2p-is-causal", "a2a+p2p", policy="is_causal", mask="padding"),
     Case("w4-a2a+p2p-sbhd", "a2a+p2p", fmt="sbhd", mask="causal"),
+    Case("w4-a2a+p2p-kv-layer", "a2a+p2p", packed="kv:-2"),
+    Case("w4-p2p-qkv-layer", "p2p", h=4, hg=4, packed="qkv:-3"),
+    Case("w4-a2a-dropout", "a2a", h=4, hg=4, dropout=0.5),
+    Case("w4-err-a2a+p2p-dropout", "a2a+p2p", dropout=0.1, error=("NotImplementedError", "attention_dropout=> 0 with cp_comm_type='a2a+p2p'")),
 ]
 
 
@@ -145,3 +164,36 @@ def test_support_table_names_every_comm_type():
     table = cp_support_markdown()
     for name in ("p2p", "all_gather", "a2a", "a2a+p2p"):
         assert f"| {name} |" in table
+
+
+# ---------------------------------------------------------------------------------- refusals before communication
+
+
+class _NoWireComm(CPComm):
+    """Rank 0 of a two-rank group with no transport: any collective fails the test, so a
+    refusal raised through it was raised before communicating."""
+
+    def __init__(self) -> None:  # no process group behind it
+        self.group, self.size, self.rank, self.backend, self.stream = None, 2, 0, "none", None
+
+    def _fail(self, *args, **kwargs):
+        raise AssertionError("communicated before refusing")
+
+    exchange = all_gather = reduce_scatter = all_to_all = _fail
+
+
+@pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a+p2p"])
+def test_dropout_refused_by_name_before_communication(comm):
+    group = [_NoWireComm(), _NoWireComm()] if comm == "a2a+p2p" else _NoWireComm()
+    dpa = DotProductAttention(4, 8, qkv_format="thd", attn_mask_type="padding_causal", attention_dropout=0.1,
+                              cp_group=group, cp_comm_type=comm)
+    size = 4 if comm == "a2a+p2p" else 2
+    cu = torch.tensor([0, 4 * size], dtype=torch.int32)
+    q, k, v = (torch.randn(4, 4, 8, requires_grad=True) for _ in range(3))
+    kwargs = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=4 * size, max_seqlen_kv=4 * size)
+    with pytest.raises(NotImplementedError, match=re.escape(f"attention_dropout=> 0 with cp_comm_type={comm!r} "
+                                                            "(supported: 0.0, or cp_comm_type='a2a')")):
+        dpa(q, k, v, **kwargs)
+    dpa.eval()  # dropout is off outside training: the same call is accepted (and then communicates)
+    with pytest.raises(AssertionError, match="communicated before refusing"):
+        dpa(q, k, v, **kwargs)

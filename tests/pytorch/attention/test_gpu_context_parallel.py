@@ -17,6 +17,8 @@ GPU_CASES = [
     Case("ag-causal-gaps", "all_gather", dtype="bfloat16", d=64),
     Case("ag-window-policies", "all_gather", policy="dict", policy_windows=CAUSAL_WINDOW, mask="padding", dtype="bfloat16", d=64),
     Case("a2a-causal-gaps", "a2a", dtype="bfloat16", d=64),
+    Case("p2p-kv-layer-gqa", "p2p", packed="kv:-2", dtype="bfloat16", d=64),
+    Case("ag-th3d-layer", "all_gather", h=4, hg=4, packed="qkv:-2", dtype="bfloat16", d=64),
 ]
 
 KERNEL_ENV = {

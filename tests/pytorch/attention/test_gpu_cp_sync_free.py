@@ -121,3 +121,27 @@ def _check_capture(dpa, inputs, kwargs):
     for a, b in zip(leaves, fresh):
         torch.testing.assert_close(a.grad, b.grad, rtol=2e-2, atol=2e-2)
 
+
+
+@pytest.mark.parametrize("label", list(KERNEL_ENV))
+def test_mha_rope_cp_step_is_sync_free(label):
+    """MultiheadAttention with rotary embeddings under CP: the global positions of the local
+    rows (zigzag, from the global slots) are computed on the device without a host sync."""
+    from transformer_engine.pytorch import MultiheadAttention
+
+    (q, _, _), kwargs = _batch()
+    mha = MultiheadAttention(H * D, H, D, attention_dropout=0.0, fuse_qkv_params=True, qkv_format="thd",
+                             attn_mask_type="padding_causal", params_dtype=torch.bfloat16, device="cuda")
+    mha.set_context_parallel_group(LoopbackComm(), None, None, "p2p")
+    x = torch.randn(q.shape[0], H * D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float32) / D))
+    angles = torch.outer(torch.arange(256, device="cuda", dtype=torch.float32), inv)
+    rope = torch.cat([angles, angles], dim=-1).view(256, 1, 1, D)
+    with env(**KERNEL_ENV[label]):
+        mha(x, rotary_pos_emb=rope, **kwargs).sum().backward()  # warm-up
+        torch.cuda.synchronize()
+        with _sync_errors():
+            out = mha(x, rotary_pos_emb=rope, **kwargs)
+            out.sum().backward()
+        assert mha.core_attention.last_selection.label == label
+        assert torch.isfinite(out).all()

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .dot_product_attention import DotProductAttention
 from .tensor_parallel import enter_column_parallel, leave_row_parallel, per_partition, tp_world_size
+from .dot_product_attention.cp_partition import dense_positions, positions_of_local_rows
 from .dot_product_attention.thd import PackedSeqs, prepare_sides, value_checks_on
 
 
@@ -252,24 +253,51 @@ class MultiheadAttention(torch.nn.Module):
     def _apply_rope(self, packed: dict, rope, cus, max_seqlens, pad_between) -> dict:
         """Rotary embeddings act on q and k separately, so this is the sliced path. THD: the
         packed metadata built here for the positions is handed to DotProductAttention, which
-        would otherwise build it again from the same arguments."""
+        would otherwise build it again from the same arguments. Under context parallelism each
+        local row is rotated by its GLOBAL position (the rank holds chunks r and 2cp-1-r of
+        every sequence), as TE does, and nothing is handed over: DotProductAttention prepares
+        the global metadata over every rank's rows."""
         q, k, v = _split(packed)
         q_freqs, k_freqs = rope if isinstance(rope, tuple) else (rope, rope)
+        cfg = self.core_attention.cp_config
+        cp = (cfg.size, cfg.rank) if cfg is not None and cfg.size > 1 else (1, 0)
         out = {}
         q_pos = k_pos = None
-        # Under context parallelism the metadata is global (DotProductAttention prepares it over
-        # every rank's rows): only the local rows are known here, so nothing is handed over.
-        cp = self.core_attention.cp_config is not None and self.core_attention.cp_config.size > 1
-        if self.qkv_format == "thd":
+        if self.qkv_format == "thd" and cp[0] > 1:
+            q_pos, k_pos = _thd_cp_positions(q, k, cus, pad_between, cp)
+        elif self.qkv_format == "thd":
             # DotProductAttention's own preparation (checks and, on CUDA, bounds), done once.
-            sides = prepare_sides(cus, (q.shape[0], k.shape[0]) if cp else max_seqlens, pad_between, (q.shape[0], k.shape[0]),
-                                  q.device)
+            sides = prepare_sides(cus, max_seqlens, pad_between, (q.shape[0], k.shape[0]), q.device)
             q_pos, k_pos = _positions(sides[0]), _positions(sides[1])
-            if not cp:
-                out["_packed_seqs"] = sides
+            out["_packed_seqs"] = sides
+        elif cp[0] > 1:
+            seq_dim = 0 if self.qkv_format == "sbhd" else 1
+            q_freqs = _cp_dense_freqs(q_freqs, q.shape[seq_dim], cp)
+            k_freqs = _cp_dense_freqs(k_freqs, k.shape[seq_dim], cp)
         out.update(query_layer=apply_rotary_pos_emb(q, q_freqs, self.qkv_format, q_pos),
                    key_layer=apply_rotary_pos_emb(k, k_freqs, self.qkv_format, k_pos), value_layer=v)
         return out
+
+
+def _thd_cp_positions(q: torch.Tensor, k: torch.Tensor, cus, pad_between, cp: Tuple[int, int]):
+    """Under context parallelism: the global position within its sequence of every local q and
+    k row (0 on rows outside any sequence). The same checks (and, on CUDA, bounds) as
+    DotProductAttention's; a length can be no more than the global rows, which stands in for
+    the max_seqlen rotary does not need."""
+    size, rank = cp
+    totals = (q.shape[0] * size, k.shape[0] * size)  # the offsets index global rows
+    pq, pk = prepare_sides(cus, totals, pad_between, totals, q.device)
+    return tuple(positions_of_local_rows(p.offsets.long(), p.seqlens().long(), size, rank, t.shape[0])
+                 for p, t in ((pq, q), (pk, k)))
+
+
+def _cp_dense_freqs(freqs: torch.Tensor, local_len: int, cp: Tuple[int, int]) -> torch.Tensor:
+    """The rows of ``freqs`` for a rank's bshd/sbhd rows under context parallelism."""
+    size, rank = cp
+    if freqs.shape[0] < local_len * size:
+        raise ValueError(f"rotary_pos_emb must hold a row for every position: the global sequence has {local_len * size} "
+                         f"positions ({local_len} local rows x cp size {size}) but rotary_pos_emb has {freqs.shape[0]} rows")
+    return freqs.index_select(0, dense_positions(local_len, size, rank, freqs.device))
 
 
 def _default_init(weight: torch.Tensor) -> None:

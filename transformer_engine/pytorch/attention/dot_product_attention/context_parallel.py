@@ -64,6 +64,18 @@ class CPConfig:
     comm_type: str
     size: int  # ranks sharing each sequence (the product of the groups' sizes)
 
+    @property
+    def rank(self) -> int:
+        """This process's CP rank: the share of the sequence its inputs hold (for a2a+p2p,
+        p2p_rank * a2a_size + a2a_rank)."""
+        import torch.distributed as dist
+
+        ranks = [(g.rank, g.size) if isinstance(g, CPComm) else (dist.get_rank(g), dist.get_world_size(g)) for g in self.groups]
+        if len(ranks) == 1:
+            return ranks[0][0]
+        (a2a_rank, a2a_size), (p2p_rank, _) = ranks
+        return p2p_rank * a2a_size + a2a_rank
+
 
 def make_cp_config(cp_group, cp_global_ranks, cp_stream, cp_comm_type) -> Optional[CPConfig]:
     """Parse TE's four CP arguments; None when ``cp_group`` is None."""

@@ -87,6 +87,25 @@ class ZigzagLayout:
         return torch.where(in_tail, tail, self.slots[seq] + pos)
 
 
+def positions_of_local_rows(slots: torch.Tensor, lengths: torch.Tensor, size: int, rank: int, total_rows: int) -> torch.Tensor:
+    """[T] position inside its sequence of each of rank ``rank``'s local rows (the global
+    position, e.g. for rotary embeddings); 0 on padding and tail rows. Sync-free."""
+    if lengths.numel() == 0:
+        return torch.zeros(total_rows, dtype=torch.int64, device=slots.device)
+    layout = ZigzagLayout(slots, lengths, size, rank)
+    seq, u = layout.seq_of_local_rows(total_rows)
+    c = layout.chunk[seq]
+    pos = torch.where(u < c, rank * c + u, (2 * size - 1 - rank) * c + u - c)
+    rows = torch.arange(total_rows, device=slots.device, dtype=torch.int64)
+    inside = (rows < layout.local_offsets[-1]) & (pos < lengths[seq])
+    return torch.where(inside, pos, 0)
+
+
+def dense_positions(local_len: int, size: int, rank: int, device) -> torch.Tensor:
+    """[S_local] global positions of a rank's rows of a bshd/sbhd sequence (chunks r, 2P-1-r)."""
+    return _dense_indices(local_len * size, size, rank, device)
+
+
 def source_of_global_rows(slots: torch.Tensor, size: int, global_rows: torch.Tensor, local_total: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(rank, local row) holding each global row under a ``size``-way split; tail rows follow
     ``global_rows``' rule (each rank holds an equal, ordered share of the tail)."""
