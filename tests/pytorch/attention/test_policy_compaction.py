@@ -3,7 +3,7 @@ are known from the id tensors' shapes, each policy's FA4/cuDNN call runs only it
 (gathered start offsets and lengths, in batch order), so its grid covers them alone. Checked on
 the CPU with FA4 emulated per sequence in float64 (the arguments each call receives, and the
 numbers against the unfused backend), the cuDNN batch size, the spare entries that malformed ids
-leave, and the switch that turns compaction off."""
+leave, and the switch (NVTE_THD_POLICY_COMPACT=1; off by default, see environment.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from transformer_engine.pytorch.attention.dot_product_attention.backends import 
 from transformer_engine.pytorch.attention.dot_product_attention.backends.varlen import plan_varlen
 from transformer_engine.pytorch.attention.dot_product_attention.per_seq_policy import SeqPolicies
 
-from .gpu_helpers import env
 from .packing import make_thd
 from .test_softmax_variants import _SinkFA4
 
@@ -28,6 +27,11 @@ LENGTHS = [5, 3, 6, 1, 4, 2]
 GAPS = [2, 0, 1, 3, 0, 2]
 # Ids in no particular order: the calls must still run their sequences in batch order.
 PER_SEQ = {"padding_causal": [4, 0, 3], "padding": [5, 2, 1]}
+
+
+@pytest.fixture(autouse=True)
+def compact(monkeypatch):
+    monkeypatch.setenv("NVTE_THD_POLICY_COMPACT", "1")
 
 
 @pytest.fixture
@@ -87,10 +91,14 @@ def test_each_call_runs_only_its_sequences_in_batch_order(fa4, gaps):
     assert torch.all(out[~p.valid_q] == 0) and all(torch.all(t[~p.valid_q] == 0) for t in grads)
 
 
-def test_switch_off_spans_the_batch_in_every_call(fa4):
+@pytest.mark.parametrize("value", ["0", None])
+def test_switch_off_spans_the_batch_in_every_call(fa4, value, monkeypatch):
     p, kwargs = _inputs()
-    with env(NVTE_THD_POLICY_COMPACT="0"):
-        DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd")(p.q, p.k, p.v, **kwargs)
+    if value is None:
+        monkeypatch.delenv("NVTE_THD_POLICY_COMPACT")
+    else:
+        monkeypatch.setenv("NVTE_THD_POLICY_COMPACT", value)
+    DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd")(p.q, p.k, p.v, **kwargs)
     assert [c[0].numel() for c in fa4] == [len(LENGTHS) + 1] * 2
     causal = set(PER_SEQ["padding_causal"])
     assert fa4[0][2].tolist() == [n if i in causal else 0 for i, n in enumerate(LENGTHS)]

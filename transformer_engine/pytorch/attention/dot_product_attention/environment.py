@@ -65,8 +65,9 @@ SANITIZE_GAPS = Switch("NVTE_FLASH_ATTN_SANITIZE_GAPS")  # the NaN guard: "1", "
 UNFUSED_MAX_SCORES = Switch("NVTE_UNFUSED_ATTN_MAX_SCORES")  # unfused: score elements per chunk
 UNFUSED_THD_GATHER = Switch("NVTE_UNFUSED_THD_GATHER")  # "1": the gathered THD path on the CPU
 CP_HOST_STAGING = Switch("NVTE_CP_HOST_STAGING")  # "1": CP transfers staged through the host
-# "0": each policy's kernel call spans the whole batch (others' sequences at length 0) even where
-# the policy sizes are known; default "1" gives each call only its own sequences (varlen.py).
+# "1": where the policy sizes are known, each policy's kernel call gets only its own sequences
+# (varlen.py). Off by default: on the H200 it gained at most ~7% replayed from a CUDA graph and
+# cost up to ~0.2 ms of eager host time (benchmarks/results/2026-12-03-h200/mixed.md).
 THD_POLICY_COMPACT = Switch("NVTE_THD_POLICY_COMPACT")
 
 # The switches that decide backend selection (the debug switches last).

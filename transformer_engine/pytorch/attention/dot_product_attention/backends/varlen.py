@@ -75,7 +75,7 @@ def plan_varlen(inp: AttentionInputs) -> VarlenPlan:
             return VarlenPlan(pq.cu_seqlens, pk.cu_seqlens, [VarlenCall(0, spec, None, None)], False)
         return VarlenPlan(pq.offsets, pk.offsets, [VarlenCall(0, spec, *_valid_lengths(pq, pk))], True)
     len_q, len_kv = _valid_lengths(pq, pk)
-    if policies.sizes is not None and THD_POLICY_COMPACT.get("1") != "0":
+    if policies.sizes is not None and THD_POLICY_COMPACT.get("0") == "1":
         return VarlenPlan(pq.offsets, pk.offsets, _compacted_calls(policies, pq, pk, len_q, len_kv), gaps)
     calls = []
     for p in policies.active():
