@@ -114,3 +114,19 @@ def test_sink_logits_sent_and_their_gradient_routed_back(recorder, softmax_type)
 def test_no_sink_for_vanilla_softmax(recorder):
     DotProductAttention(4, 8, qkv_format="bshd")(*_qkv()).sum().backward()
     assert recorder.fwd[0]["sink"] is None and recorder.bwd[0]["need_dsink"] is False
+
+
+def test_sink_gradient_is_the_sum_of_the_policy_calls(recorder):
+    """THD with two mask policies: two cuDNN calls, each reducing the sink gradient over its own
+    rows; the module's gradient is their sum (the recorder returns 2.0 per call)."""
+    from .packing import make_thd
+
+    p = make_thd([5, 3, 6], gaps_q=[2, 0, 1], h=4, hg=4, d=8, dtype=torch.bfloat16)
+    for t in (p.q, p.k, p.v):
+        t.requires_grad_()
+    dpa = DotProductAttention(4, 8, qkv_format="thd", softmax_type="learnable")
+    kwargs = dict(p.kwargs(True, 6, 6, shared=True), thd_sequence_is_causal=torch.tensor([True, False, True]))
+    dpa(p.q, p.k, p.v, **kwargs).float().sum().backward()
+    assert len(recorder.fwd) == 2 and [c["need_dsink"] for c in recorder.bwd] == [True, True]
+    assert all(c["sink"] is recorder.fwd[0]["sink"] for c in recorder.fwd + recorder.bwd)
+    assert torch.equal(dpa.softmax_offset.grad.reshape(-1), torch.full((4,), 4.0))

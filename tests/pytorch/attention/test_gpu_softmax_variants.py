@@ -89,6 +89,19 @@ def test_dense_sinks(label, softmax_type, mask, sq, skv):
     _compare(label, _module(softmax_type, 2, "bshd", mask), inputs, {})
 
 
+@pytest.mark.parametrize("softmax_type", ["learnable", "off-by-one"])
+@pytest.mark.parametrize("mask", ["padding", "padding_causal"])
+def test_cudnn_dense_padding_sinks(softmax_type, mask):
+    """Per-sequence lengths below the tensor's S (cuDNN's seq_len_q/kv): the sink gradient must
+    reduce over each sequence's own rows only, the masking a THD call of several policies
+    relies on (cuDNN's THD sink backward itself needs 9.26)."""
+    b, s = 3, 192
+    inputs = [torch.randn(b, s, h, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (H, 2, 2)]
+    pad = torch.arange(s, device="cuda").view(1, s) >= torch.tensor([s, 77, 130], device="cuda").view(b, 1)
+    dpa = _module(softmax_type, 2, "bshd", mask)
+    _compare("FusedAttention", dpa, inputs, dict(attention_mask=pad.view(b, 1, 1, s)))
+
+
 def test_return_max_logit_runs_on_the_unfused_backend_on_cuda():
     q = torch.randn(2, 64, H, D, device="cuda", dtype=torch.bfloat16)
     dpa = DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="causal", return_max_logit=True)

@@ -29,6 +29,7 @@ from .cp_comm import CPComm
 from .cp_kernels import KERNELS
 from .cp_partition import check_slots
 from .masks import AttnMaskType, MaskSpec, normalize_window
+from .per_seq_policy import parse_policies, reject_per_seq
 from .support import Reason
 from .thd import prepare_sides, value_checks_on
 
@@ -71,10 +72,7 @@ class CPConfig:
         import torch.distributed as dist
 
         ranks = [(g.rank, g.size) if isinstance(g, CPComm) else (dist.get_rank(g), dist.get_world_size(g)) for g in self.groups]
-        if len(ranks) == 1:
-            return ranks[0][0]
-        (a2a_rank, a2a_size), (p2p_rank, _) = ranks
-        return p2p_rank * a2a_size + a2a_rank
+        return combined_rank(ranks)
 
 
 def make_cp_config(cp_group, cp_global_ranks, cp_stream, cp_comm_type) -> Optional[CPConfig]:
@@ -257,9 +255,16 @@ def _run_a2a(dpa, cfg, comms, call, q, k, v, size: int) -> torch.Tensor:
 
 
 def _cp_rank(comms: Sequence[CPComm]) -> int:
-    if len(comms) == 1:
-        return comms[0].rank
-    return comms[1].rank * comms[0].size + comms[0].rank
+    return combined_rank([(c.rank, c.size) for c in comms])
+
+
+def combined_rank(ranks: Sequence[Tuple[int, int]]) -> int:
+    """The CP rank from each level's (rank, size), a2a level first: for a2a+p2p,
+    p2p_rank * a2a_size + a2a_rank (TE's rule); one level: its rank."""
+    if len(ranks) == 1:
+        return ranks[0][0]
+    (a2a_rank, a2a_size), (p2p_rank, _) = ranks
+    return p2p_rank * a2a_size + a2a_rank
 
 
 def _valid_rows(layout, total_rows: int) -> torch.Tensor:
@@ -315,8 +320,6 @@ def _select_kernel(dpa, q, k, v, call: CPCall):
 
 
 def _thd_call(dpa, q, k, v, cus, max_seqlens, mask, window, raw_window, pad_between, per_seq, is_causal, cfg) -> CPCall:
-    from .per_seq_policy import parse_policies as _parse_policies
-
     size = cfg.size
     # CP's own rule first (slots divisible by 2 x cp), on the offsets the slots come from.
     for name, cu, pad in (("cu_seqlens_q", cus[0], cus[2]), ("cu_seqlens_kv", cus[1], cus[3])):
@@ -329,7 +332,7 @@ def _thd_call(dpa, q, k, v, cus, max_seqlens, mask, window, raw_window, pad_betw
     pq, pk = prepare_sides(cus, max_seqlens, pad_between, (q.shape[0] * size, k.shape[0] * size), q.device)
     b = pq.batch_size
     cu_q, cu_kv = pq.cu_seqlens, pk.cu_seqlens  # bounded copies on CUDA; sharing (identity) is kept
-    policies = _parse_policies(per_seq, is_causal, b, q.device, raw_window)
+    policies = parse_policies(per_seq, is_causal, b, q.device, raw_window)
     if policies is None:
         specs, live, policy_of_seq = (MaskSpec(mask, window),), (True,), torch.zeros(b, dtype=torch.int64, device=q.device)
     else:
@@ -351,9 +354,7 @@ def _thd_call(dpa, q, k, v, cus, max_seqlens, mask, window, raw_window, pad_betw
 def _dense_call(dpa, q, k, v, fmt, mask, window, per_seq, is_causal, cfg) -> CPCall:
     """bshd/sbhd as THD with one slot of the global length per batch entry (no copies for
     bshd; sbhd is transposed once)."""
-    from .per_seq_policy import reject_per_seq as _reject_per_seq
-
-    _reject_per_seq(per_seq, is_causal, f"qkv_format={fmt!r}")
+    reject_per_seq(per_seq, is_causal, f"qkv_format={fmt!r}")
     if fmt == "sbhd":
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
     size = cfg.size

@@ -74,12 +74,16 @@ class ZigzagLayout:
         seq = (torch.searchsorted(offsets, rows, right=True) - 1).clamp(0, b - 1)
         return seq, rows - offsets[seq]
 
-    def global_rows(self, total_rows: int) -> torch.Tensor:
-        """[T] global row of each local row (tail rows: this rank's share of the tail)."""
+    def slot_positions(self, total_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """([T] slot index; [T] position of each local row inside its global slot): the rank's
+        rows are chunk ``rank`` of each slot, then chunk ``2 * size - 1 - rank``."""
         seq, u = self.seq_of_local_rows(total_rows)
         c = self.chunk[seq]
-        first_half = u < c
-        pos = torch.where(first_half, self.rank * c + u, (2 * self.size - 1 - self.rank) * c + u - c)
+        return seq, torch.where(u < c, self.rank * c + u, (2 * self.size - 1 - self.rank) * c + u - c)
+
+    def global_rows(self, total_rows: int) -> torch.Tensor:
+        """[T] global row of each local row (tail rows: this rank's share of the tail)."""
+        seq, pos = self.slot_positions(total_rows)
         rows = torch.arange(total_rows, device=self.slots.device, dtype=torch.int64)
         local_end = self.slots[-1] // self.size
         in_tail = rows >= local_end
@@ -93,9 +97,7 @@ def positions_of_local_rows(slots: torch.Tensor, lengths: torch.Tensor, size: in
     if lengths.numel() == 0:
         return torch.zeros(total_rows, dtype=torch.int64, device=slots.device)
     layout = ZigzagLayout(slots, lengths, size, rank)
-    seq, u = layout.seq_of_local_rows(total_rows)
-    c = layout.chunk[seq]
-    pos = torch.where(u < c, rank * c + u, (2 * size - 1 - rank) * c + u - c)
+    seq, pos = layout.slot_positions(total_rows)
     rows = torch.arange(total_rows, device=slots.device, dtype=torch.int64)
     inside = (rows < layout.local_offsets[-1]) & (pos < lengths[seq])
     return torch.where(inside, pos, 0)

@@ -1,7 +1,8 @@
-"""Which optional GPU libraries are installed, found without importing them.
+"""Which optional GPU libraries are installed, found (all but one fact) without importing them.
 
-``import transformer_engine.pytorch`` must work with none of them present, so this module only
-asks the package metadata; a backend imports its library where it first runs.
+``import transformer_engine.pytorch`` must work with none of them present, so this module asks
+the package metadata (and, where cudnn-frontend is installed, its cuDNN version, once); a
+backend imports its library where it first runs.
 """
 
 from __future__ import annotations
@@ -53,10 +54,20 @@ def installed_libraries() -> InstalledLibraries:
     fa4 = _dist_version("flash-attn-4", "flash_attn_4")
     cudnn = _dist_version("nvidia-cudnn-frontend") if _has_module("cudnn") else None
     return InstalledLibraries(flash_attn_2=fa2, flash_attn_3=fa3, flash_attn_4=fa4, cudnn_frontend=cudnn,
-                              cudnn=_cudnn_runtime())
+                              cudnn=_cudnn_runtime(cudnn is not None))
 
 
-def _cudnn_runtime() -> Optional[int]:
+def _cudnn_runtime(have_frontend: bool) -> Optional[int]:
+    """The cuDNN the frontend's graphs run on: the frontend loads libcudnn itself, so its own
+    ``backend_version()`` is the fact (the one place this module imports a library: only
+    where the frontend is installed, once per process); torch's cuDNN otherwise."""
+    if have_frontend:
+        try:
+            import cudnn
+
+            return int(cudnn.backend_version())
+        except Exception:  # noqa: BLE001 - an import or loader failure: fall back to torch's
+            pass
     try:
         return torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     except (RuntimeError, OSError):  # a broken or missing libcudnn: no version to offer

@@ -3,8 +3,11 @@ how the calls' results are combined, and the NaN guard for kernels that read who
 
 Packed (THD) batches reach every GPU library the same way (:class:`VarlenPlan`): physical slot
 offsets as ``cu_seqlens``, valid lengths as per-sequence lengths (``seqused``), and one call per
-live mask policy in which the other policies' sequences have length 0. Rows no call owns (gaps
-between sequences, the tail, other policies' rows) come out exactly 0, forward and backward.
+live mask policy in which the other policies' sequences have length 0; with
+NVTE_THD_POLICY_COMPACT=1 and policy sizes known from shapes, each call instead gets only its
+own sequences (gathered offsets and lengths: ``VarlenCall.offsets``/``batch_size``). Rows no
+call owns (gaps between sequences, the tail, other policies' rows) come out exactly 0, forward
+and backward.
 """
 
 from __future__ import annotations
@@ -56,8 +59,9 @@ class VarlenCall:
 
 @dataclass
 class VarlenPlan:
-    """How a packed batch maps onto varlen kernel calls: physical offsets and one call per live
-    policy (the other policies' sequences get length 0)."""
+    """How a packed batch maps onto varlen kernel calls: the batch's physical offsets and one
+    call per live policy. A call passes these offsets unless it is compacted (then it carries
+    its own; use ``call.offsets(plan)``)."""
 
     offsets_q: torch.Tensor
     offsets_kv: torch.Tensor
