@@ -17,11 +17,11 @@ from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa_module
 from transformer_engine.pytorch.attention.dot_product_attention import fast_path
 from transformer_engine.pytorch.attention.dot_product_attention.libraries import InstalledLibraries
-from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType
+from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType, MaskSpec
 from transformer_engine.pytorch.attention.dot_product_attention.params import AttentionParams
 from transformer_engine.pytorch.attention.dot_product_attention.selection import NoBackendError, get_attention_backend
 
-from .gpu_helpers import env
+from .gpu_helpers import GPU_BACKENDS, env, rel_err, run_on
 from .packing import make_thd
 
 H, HG, D = 4, 2, 8
@@ -150,6 +150,10 @@ def _same_record(a, b):
         elif f.name in ("packed_q", "packed_kv") and x is not None:
             assert x.cu_seqlens is y.cu_seqlens and x.offsets is y.offsets, f.name
             assert (x.max_seqlen, x.total_tokens, x.bounded) == (y.max_seqlen, y.total_tokens, y.bounded), f.name
+        elif f.name == "policies" and x is not None:
+            # Each call builds its own tensor of policy indices: equal values, and equal host facts.
+            assert (x.specs, x.maybe_nonempty, x.sizes) == (y.specs, y.maybe_nonempty, y.sizes)
+            assert x.policy_of_seq.dtype == y.policy_of_seq.dtype and torch.equal(x.policy_of_seq, y.policy_of_seq)
         else:
             assert x == y, f.name
 
@@ -297,17 +301,24 @@ def test_the_cache_stays_bounded():
 ALL_LIBS = InstalledLibraries(flash_attn_2="2.7.4", flash_attn_3="3.0.0", flash_attn_4="4.0.0b36", cudnn_frontend="1.32.0")
 
 
+# Per-sequence policies take the fast path too, whose key holds their batch size but not
+# max_seqlen: selection must not read max_seqlen with them either.
+_POLICY_SETS = (None, (MaskSpec(AttnMaskType.PADDING, (-1, -1)), MaskSpec(AttnMaskType.PADDING_CAUSAL, (-1, 0))),
+                (MaskSpec(AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT, (8, 0)), MaskSpec(AttnMaskType.PADDING, (4, 4))))
+
+
 def _thd_params():
     masks = [m for m in AttnMaskType if m is not AttnMaskType.ARBITRARY and m.is_padding]
-    for mask, window, dropout, bias, gaps, shared, cc, training in itertools.product(
+    for mask, window, dropout, bias, gaps, shared, cc, training, policies in itertools.product(
             masks, [(-1, -1), (8, 0), (4, 4)], [0.0, 0.1], ["no_bias", "alibi"], [False, True], [False, True],
-            [(8, 0), (9, 0), (10, 0)], [False, True]):
+            [(8, 0), (9, 0), (10, 0)], [False, True], _POLICY_SETS):
         if mask.is_causal and window[1] not in (-1, 0):
             continue
         window = (window[0], 0) if mask.is_causal else window
         yield AttentionParams(qkv_format="thd", qkv_layout="thd_thd_thd", attn_mask_type=mask, window_size=window,
                               attention_dropout=dropout, core_attention_bias_type=bias, pad_between_seqs=gaps,
-                              shared_cu_seqlens=shared, compute_capability=cc, is_training=training)
+                              shared_cu_seqlens=shared, compute_capability=cc, is_training=training,
+                              per_seq_policies=policies)
 
 
 def test_thd_selection_reads_neither_batch_size_nor_max_seqlen():
@@ -369,3 +380,186 @@ def test_multihead_attention_repeats_take_the_fast_path(full_paths):
     assert len(full_paths) == 1
     mha.core_attention._recipes.clear()
     assert torch.equal(got, mha(x, **kw)) and len(full_paths) == 2
+
+
+# ------------------------------------------------------------------ per-sequence policies
+
+POLICY_LENGTHS = ([5, 3, 7, 4, 2, 6], [1, 9, 4, 6, 5, 2])  # the same sequence count, other lengths
+
+
+def _ids(*xs, dtype=torch.int64):
+    return torch.tensor(xs, dtype=dtype)
+
+
+# name -> (policy keyword arguments of the first call, of the second call: same key, new values)
+POLICY_CASES = {
+    "dict": (dict(attn_mask_type_per_seq={"padding_causal": _ids(0, 2, 4), "padding": _ids(1, 3, 5)}),
+             dict(attn_mask_type_per_seq={"padding_causal": _ids(5, 1, 0), "padding": _ids(4, 2, 3)})),
+    "dict, int32 ids, own windows": (
+        dict(attn_mask_type_per_seq={("padding_causal", (2, 0)): _ids(0, 3, dtype=torch.int32),
+                                     "padding_causal_bottom_right": _ids(1, dtype=torch.int32),
+                                     ("padding", (1, 2)): _ids(2, 4, 5, dtype=torch.int32)}),
+        dict(attn_mask_type_per_seq={("padding_causal", (2, 0)): _ids(5, 4, dtype=torch.int32),
+                                     "padding_causal_bottom_right": _ids(0, dtype=torch.int32),
+                                     ("padding", (1, 2)): _ids(1, 2, 3, dtype=torch.int32)})),
+    "dict, one policy owns all": (dict(attn_mask_type_per_seq={"padding": _ids(), "padding_causal": _ids(*range(6))}),
+                                  dict(attn_mask_type_per_seq={"padding": _ids(), "padding_causal": _ids(5, 4, 3, 2, 1, 0)})),
+    "is_causal": (dict(thd_sequence_is_causal=torch.tensor([True, False, True, True, False, False])),
+                  dict(thd_sequence_is_causal=torch.tensor([False, False, True, False, True, True]))),
+}
+
+
+@pytest.mark.parametrize("gaps", [False, True])
+@pytest.mark.parametrize("name", list(POLICY_CASES))
+def test_policy_hit_equals_full_path(name, gaps, full_paths):
+    """A repeat with new lengths, new ids and new values reuses the recipe and gives what a
+    fresh module's full path gives, bit for bit; so does the backend choice."""
+    first, second = POLICY_CASES[name]
+    gap_rows = [2, 0, 3, 1, 0, 2] if gaps else None
+    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd", attn_mask_type="padding")
+    _outputs(dpa, *_thd_call(_thd_batch(POLICY_LENGTHS[0], gaps=gap_rows), gaps, True, first))
+    call = _thd_call(_thd_batch(POLICY_LENGTHS[1], gaps=gap_rows, seed=1), gaps, True, second)
+    got = _outputs(dpa, *call)
+    assert len(full_paths) == 1, "the second call should reuse the first call's decisions"
+    fresh = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd", attn_mask_type="padding")
+    _assert_identical(got, _outputs(fresh, *call))
+    assert dpa.last_selection == fresh.last_selection
+
+
+@pytest.mark.parametrize("name", list(POLICY_CASES))
+def test_a_policy_hit_builds_the_record_prepare_builds(name, monkeypatch, full_paths):
+    seen = _captured_inputs(monkeypatch)
+    calls = [_thd_call(_thd_batch(POLICY_LENGTHS[i], gaps=[2, 0, 3, 1, 0, 2], seed=i), True, True, POLICY_CASES[name][i])[:2]
+             for i in range(2)]
+    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd", attn_mask_type="padding")
+    for args, kw in calls:
+        dpa(*args, **kw)
+    dpa._recipes.clear()
+    dpa(*calls[1][0], **calls[1][1])
+    assert len(full_paths) == 2
+    _same_record(seen[1], seen[2])
+    assert (seen[1].policies is None) == (name == "dict, one policy owns all")
+
+
+def _policy_base():
+    p = _thd_batch(POLICY_LENGTHS[0], gaps=[2, 0, 3, 1, 0, 2])
+    return p, (p.q, p.k, p.v), p.kwargs(True, 7, 7, shared=True)
+
+
+def _policy_changes():
+    """(what changed, the policy keywords) pairs; each must miss a recipe made for the base
+    ({"padding_causal": [0, 2, 4], "padding": [1, 3, 5]})."""
+    return {
+        "key order": dict(attn_mask_type_per_seq={"padding": _ids(1, 3, 5), "padding_causal": _ids(0, 2, 4)}),
+        "key mask type": dict(attn_mask_type_per_seq={"padding_causal_bottom_right": _ids(0, 2, 4), "padding": _ids(1, 3, 5)}),
+        "key window": dict(attn_mask_type_per_seq={("padding_causal", (2, 0)): _ids(0, 2, 4), "padding": _ids(1, 3, 5)}),
+        "policy sizes": dict(attn_mask_type_per_seq={"padding_causal": _ids(0, 2), "padding": _ids(1, 3, 4, 5)}),
+        "id dtype": dict(attn_mask_type_per_seq={"padding_causal": _ids(0, 2, 4, dtype=torch.int32), "padding": _ids(1, 3, 5)}),
+        "a policy owns all": dict(attn_mask_type_per_seq={"padding_causal": _ids(*range(6)), "padding": _ids()}),
+        "spelling": dict(thd_sequence_is_causal=torch.tensor([True, False, True, False, True, False])),
+        "no policies": dict(),
+    }
+
+
+@pytest.mark.parametrize("change", list(_policy_changes()))
+def test_each_policy_fact_in_the_key_misses(change, full_paths):
+    _, args, kw = _policy_base()
+    base = dict(attn_mask_type_per_seq={"padding_causal": _ids(0, 2, 4), "padding": _ids(1, 3, 5)})
+    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd", attn_mask_type="padding")
+    dpa(*args, **kw, **base)
+    dpa(*args, **kw, **base)
+    assert len(full_paths) == 1
+    dpa(*args, **kw, **_policy_changes()[change])
+    assert len(full_paths) == 2, f"a changed {change} reused the old decisions"
+
+
+BAD_POLICY_REPEATS = {
+    # Values outside the key: the CPU's value checks run on a hit too.
+    "id out of range": (dict(attn_mask_type_per_seq={"padding_causal": _ids(0, 2, 6), "padding": _ids(1, 3, 5)}), ValueError,
+                        r"ids must be sequence indices in \[0, 6\); got \[6\]"),
+    "id repeated": (dict(attn_mask_type_per_seq={"padding_causal": _ids(0, 2, 4), "padding": _ids(1, 3, 3)}), ValueError,
+                    r"ids \[3\] are repeated and \[5\] missing"),
+    # Facts the key holds, so these miss and the full path names them.
+    "count vs batch": (dict(attn_mask_type_per_seq={"padding_causal": _ids(0, 2, 4), "padding": _ids(1, 3, 5, 6)}), ValueError,
+                       "place each of the 6 sequences in exactly one entry; its entries hold 7"),
+    "window of floats": (dict(attn_mask_type_per_seq={("padding_causal", (2.0, 0)): _ids(0, 2, 4), "padding": _ids(1, 3, 5)}),
+                         TypeError, "window of attn_mask_type_per_seq key 'padding_causal' must be None or a"),
+    "ids not a tensor": (dict(attn_mask_type_per_seq={("padding_causal", (2, 0)): [0, 2, 4], "padding": _ids(1, 3, 5)}), TypeError,
+                         "must be a 1-D integer tensor of sequence ids; got list"),
+    "both spellings": (dict(attn_mask_type_per_seq={("padding_causal", (2, 0)): _ids(0, 2, 4), "padding": _ids(1, 3, 5)},
+                            thd_sequence_is_causal=torch.ones(6, dtype=torch.bool)), ValueError, "not both"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_POLICY_REPEATS))
+def test_policy_values_are_still_checked_on_a_repeat(bad):
+    _, args, kw = _policy_base()
+    change, error, text = BAD_POLICY_REPEATS[bad]
+    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd", attn_mask_type="padding")
+    good = {"padding_causal": _ids(0, 2, 4), "padding": _ids(1, 3, 5)}
+    window_key = {("padding_causal", (2, 0)): _ids(0, 2, 4), "padding": _ids(1, 3, 5)}
+    dpa(*args, **kw, attn_mask_type_per_seq=good)
+    dpa(*args, **kw, attn_mask_type_per_seq=window_key)
+    assert len(dpa._recipes) == 2
+    with pytest.raises(error, match=text):
+        dpa(*args, **kw, **change)
+
+
+def test_policies_on_a_dense_format_never_reach_the_fast_path():
+    dpa = DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="no_mask")
+    q = torch.randn(2, 5, H, D)
+    dpa(q, q, q)
+    with pytest.raises(NotImplementedError, match="thd_sequence_is_causal needs qkv_format='thd'"):
+        dpa(q, q, q, thd_sequence_is_causal=torch.ones(2, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("spelling", ["dict", "is_causal"])
+def test_policy_counts_are_checked_against_a_new_batch_size(spelling):
+    """The batch size is in a policy call's key: a batch of the same tokens cut into one more
+    sequence, with the old ids, misses and the full path names the count."""
+    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd", attn_mask_type="padding")
+    if spelling == "dict":
+        policy = dict(attn_mask_type_per_seq={"padding_causal": _ids(0, 2, 4), "padding": _ids(1, 3, 5)})
+        text = "place each of the 7 sequences in exactly one entry; its entries hold 6"
+    else:
+        policy = dict(thd_sequence_is_causal=torch.tensor([True, False] * 3))
+        text = r"thd_sequence_is_causal must hold one value per sequence \(7\); got 6"
+    _, args, kw = _policy_base()
+    dpa(*args, **kw, **policy)
+    p = _thd_batch([5, 3, 7, 4, 2, 3, 3], gaps=[2, 0, 3, 1, 0, 2, 0])  # 35 rows, as the base
+    assert p.q.shape == args[0].shape
+    with pytest.raises(ValueError, match=text):
+        dpa(p.q, p.k, p.v, **p.kwargs(True, 7, 7, shared=True), **policy)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label", list(GPU_BACKENDS))
+@pytest.mark.parametrize("spelling", ["dict", "is_causal"])
+def test_gpu_policy_hit_equals_full_path(label, spelling, full_paths):
+    """On each GPU backend: a repeated mixed-policy call (new lengths, ids and values) takes
+    the fast path and matches a fresh module's full path (the forward bit for bit; gradients
+    up to the order of the backward's atomic adds)."""
+    gaps = [5, 0, 33, 2, 0, 100]
+
+    def call(lengths, causal, seed):
+        p = make_thd(lengths, gaps_q=gaps, h=H, d=128, dtype=torch.bfloat16, device="cuda", tail=7, seed=seed)
+        flags = torch.tensor(causal, device="cuda")
+        ids = torch.arange(len(lengths), device="cuda")
+        policy = (dict(thd_sequence_is_causal=flags) if spelling == "is_causal"
+                  else dict(attn_mask_type_per_seq={"padding_causal": ids[flags].clone(), "padding": ids[~flags].clone()}))
+        return p, dict(p.kwargs(True, 512, 512, shared=True), **policy)
+
+    def outputs(dpa, p, kw):
+        out = run_on(label, dpa, p.q, p.k, p.v, **kw)
+        grads = torch.autograd.grad(out, (p.q, p.k, p.v), torch.ones_like(out))
+        return [out, *grads]
+
+    dpa = DotProductAttention(H, 128, qkv_format="thd", attn_mask_type="padding")
+    outputs(dpa, *call([300, 17, 512, 1, 200, 64], [True, False, True, False, True, False], 0))
+    p, kw = call([100, 512, 3, 250, 64, 90], [False, False, True, True, False, True], 1)
+    got = outputs(dpa, p, kw)
+    assert len(full_paths) == 1
+    want = outputs(DotProductAttention(H, 128, qkv_format="thd", attn_mask_type="padding"), p, kw)
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[1:], want[1:]):
+        assert torch.isfinite(a).all() and rel_err(a, b) < 1e-3

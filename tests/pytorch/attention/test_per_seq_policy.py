@@ -131,6 +131,51 @@ def test_debug_switch_catches_duplicate_ids(monkeypatch):
         dpa(p.q, p.k, p.v, **p.kwargs(False, 7, 7, shared=True), attn_mask_type_per_seq={"padding": _ids(0, 1, 2), "padding_causal": _ids(3, 4, 4)})
 
 
+def _policy_of_ids_reference(id_lists, b):
+    """Plain Python: each policy in order claims its ids in [0, b); a later claim wins; an
+    unclaimed sequence has -1."""
+    table = [-1] * b
+    for p, ids in enumerate(id_lists):
+        for i in ids:
+            if 0 <= i < b:
+                table[i] = p
+    return table
+
+
+# Well-formed and malformed ids (unchecked on CUDA): negatives (the clamp's -1 and below),
+# ids at and past b, an id repeated within a policy and across policies, unclaimed sequences.
+ID_CASES = {
+    "well-formed": [[4, 0, 3], [5, 2, 1]],
+    "negative": [[-1, 0, 1], [-7, 2, 3, 4, 5]],  # unclamped, -7 would wrap onto sequence 1
+    "past the end": [[6, 0, 100], [1, 2, 3, 4, 5]],
+    "repeated across policies": [[0, 1, 2, 3], [3, 4, 5, 0]],
+    "repeated within a policy, one unclaimed": [[0, 0, 2], [3, 4, 5]],
+    "three policies, one empty": [[1, 5], [], [0, 2, 3, 4, 1]],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("name", list(ID_CASES))
+def test_policy_of_ids_matches_the_plain_reference(name, dtype):
+    from transformer_engine.pytorch.attention.dot_product_attention.per_seq_policy import policy_of_ids
+
+    lists = ID_CASES[name]
+    got = policy_of_ids([torch.tensor(ids, dtype=dtype) for ids in lists], 6, torch.device("cpu"))
+    assert got.dtype == torch.int64 and got.tolist() == _policy_of_ids_reference(lists, 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(ID_CASES))
+def test_gpu_policy_of_ids_matches_the_plain_reference(name):
+    """index_fill on CUDA must wrap the clamped -1 to the last spare slot, as on the CPU."""
+    from transformer_engine.pytorch.attention.dot_product_attention.per_seq_policy import policy_of_ids
+
+    lists = ID_CASES[name]
+    got = policy_of_ids([torch.tensor(ids, dtype=torch.int64, device="cuda") for ids in lists], 6, torch.device("cuda"))
+    torch.cuda.synchronize()
+    assert got.tolist() == _policy_of_ids_reference(lists, 6)
+
+
 # ------------------------------------------------------------------------------------ GPU
 
 GPU_LENGTHS = [300, 17, 512, 1, 200, 64]

@@ -159,15 +159,14 @@ class DotProductAttention(torch.nn.Module):
         cus = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
         max_seqlens = (max_seqlen_q, max_seqlen_kv)
         key = None
-        if (attention_mask is None and core_attention_bias is None and alibi_slopes is None and attn_mask_type_per_seq is None
-                and thd_sequence_is_causal is None and core_attention_bias_type == "no_bias"):
+        if attention_mask is None and core_attention_bias is None and alibi_slopes is None and core_attention_bias_type == "no_bias":
             key = call_key(self, qkv_format, layers, qkv_interleave_dim, cus, max_seqlens, attn_mask_type, window_size,
-                           pad_between_seqs, bottom_right_diagonal)
+                           pad_between_seqs, bottom_right_diagonal, attn_mask_type_per_seq, thd_sequence_is_causal)
         # Not read while torch.compile traces (key is None there), so the traced graph carries
         # nothing of this dict, which eager calls keep changing.
         recipe = lookup(self._recipes, key) if key is not None else None
         if recipe is not None:
-            inp = recipe.inputs(self, layers, cus, max_seqlens, _packed_seqs)
+            inp = recipe.inputs(self, layers, cus, max_seqlens, _packed_seqs, attn_mask_type_per_seq, thd_sequence_is_causal)
             fmt, backend = recipe.qkv_format, recipe.selection.backend
             object.__setattr__(self, "last_selection", recipe.selection)
         else:
@@ -180,7 +179,8 @@ class DotProductAttention(torch.nn.Module):
                           bias=core_attention_bias, alibi_slopes=alibi_slopes, packed=_packed_seqs)
             backend = self._select(selection_params(self, inp, fmt, qkv.layout))
             if key is not None:
-                remember(self._recipes, key, recipe_of(inp, self.last_selection, fmt, qkv, qkv_interleave_dim))
+                by_ids = None if attn_mask_type_per_seq is None and thd_sequence_is_causal is None else attn_mask_type_per_seq is not None
+                remember(self._recipes, key, recipe_of(inp, self.last_selection, fmt, qkv, qkv_interleave_dim, by_ids))
         with self._dropout_rng():
             if checkpoint_core_attention and torch.is_grad_enabled():
                 out = torch.utils.checkpoint.checkpoint(backend.run, inp, self.training, use_reentrant=False)

@@ -10,11 +10,14 @@ one reuses that call's :class:`CallRecipe` and only assembles its inputs (:meth:
 THD batch values (number of sequences, max_seqlen) are not in the key, so packed batches of a
 fixed token count keep hitting the cache as their sequence counts and lengths change: THD
 selection reads neither (``test_fast_path`` checks it over every backend's declaration), and
-the checks that do read them are repeated here. Always on the full path: calls whose extra
-tensors matter beyond their metadata (attention_mask, a bias, alibi_slopes, per-sequence
-policies), THD calls without max_seqlen (it is derived with a sync), dense calls with
-cu_seqlens, layouts found by pointer inspection, NVTE_ATTN_VALIDATE=1, and torch.compile
-tracing (which guards on these facts itself).
+the checks that do read them are repeated here. Per-sequence policies take the fast path too:
+their spelling, the dict's keys, the id tensors' metadata and the batch size are in the key,
+the parsed policies in the recipe (:class:`.per_seq_policy.PolicyRecipe`), and each call
+builds only its device tensor of policy indices. Always on the full path: calls whose extra
+tensors matter beyond their metadata (attention_mask, a bias, alibi_slopes), THD calls
+without max_seqlen (it is derived with a sync), dense calls with cu_seqlens, layouts found by
+pointer inspection, NVTE_ATTN_VALIDATE=1, and torch.compile tracing (which guards on these
+facts itself).
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 
 import torch
 
+from .masks import AttnMaskType
 from .packed_qkv import ResolvedQKV, split_packed
 from .params import AttentionInputs, assemble_inputs, static_half
+from .per_seq_policy import PolicyRecipe
 from .prepare import PackedSides, bshd_views
 from .thd import PackedSeqs, checked_or_safe, validation_enabled
 from .environment import compiling, env_snapshot
@@ -48,11 +53,13 @@ class CallRecipe:
     kv_padded: bool
     static: Mapping[str, Any]  # params.static_half of the full path's inputs
     selection: Any  # selection.BackendSelection
+    policy: Optional[PolicyRecipe] = None  # THD calls given per-sequence policies
 
     def inputs(self, module, layers: Sequence[Optional[torch.Tensor]], cus, max_seqlens,
-               packed: Optional[PackedSides] = None) -> AttentionInputs:
+               packed: Optional[PackedSides] = None, per_seq=None, is_causal=None) -> AttentionInputs:
         """The call's inputs as :func:`.prepare.prepare` would build them (``packed``: both THD
-        sides already prepared by the caller for these arguments)."""
+        sides already prepared by the caller for these arguments; ``per_seq`` / ``is_causal``:
+        the call's ``attn_mask_type_per_seq`` / ``thd_sequence_is_causal``)."""
         query, key, value, qkv_layer, kv_layer = layers
         if self.packing == "qkv":
             query, key, value = split_packed(qkv_layer, self.interleave_dim)
@@ -66,13 +73,18 @@ class CallRecipe:
                 packed = checked_or_safe(PackedSeqs(cu_q, cu_q_pad if self.q_padded else cu_q, max_seqlens[0], q.shape[0]),
                                          PackedSeqs(cu_kv, cu_kv_pad if self.kv_padded else cu_kv, max_seqlens[1], k.shape[0]))
             pq, pk = packed
-        return assemble_inputs(self.static, q, k, v, pq, pk, module.softmax_scale, module.softmax_offset)
+        policies = None
+        if self.policy is not None:
+            policies = self.policy.policies(per_seq, is_causal, pq.batch_size, q.device)
+        return assemble_inputs(self.static, q, k, v, pq, pk, policies, module.softmax_scale, module.softmax_offset)
 
 
-def recipe_of(inp: AttentionInputs, selection, qkv_format: str, qkv: ResolvedQKV, interleave_dim: int) -> Optional[CallRecipe]:
+def recipe_of(inp: AttentionInputs, selection, qkv_format: str, qkv: ResolvedQKV, interleave_dim: int,
+              by_ids: Optional[bool] = None) -> Optional[CallRecipe]:
     """The recipe of a full-path call, or None when part of its outcome came from tensor values
-    or pointers (that part would not repeat for another call with the same key)."""
-    if inp.policies is not None or inp.q_valid is not None or inp.kv_valid is not None or inp.arbitrary_mask is not None:
+    or pointers (that part would not repeat for another call with the same key). ``by_ids``:
+    None without per-sequence policies, else whether they came as attn_mask_type_per_seq."""
+    if inp.q_valid is not None or inp.kv_valid is not None or inp.arbitrary_mask is not None:
         return None
     if not qkv.declared and not stride_rules_out_packing(qkv.q, qkv.k, qkv.v):
         return None
@@ -83,7 +95,9 @@ def recipe_of(inp: AttentionInputs, selection, qkv_format: str, qkv: ResolvedQKV
     if inp.is_thd:
         q_padded = inp.packed_q.offsets is not inp.packed_q.cu_seqlens
         kv_padded = inp.packed_kv.offsets is not inp.packed_kv.cu_seqlens
-    return CallRecipe(qkv_format, qkv.packing if qkv.declared else None, interleave_dim, q_padded, kv_padded, static, selection)
+    policy = None if by_ids is None else PolicyRecipe.of(inp.policies, by_ids)
+    return CallRecipe(qkv_format, qkv.packing if qkv.declared else None, interleave_dim, q_padded, kv_padded, static, selection,
+                      policy)
 
 
 def _tensor_facts(t) -> tuple:
@@ -128,12 +142,46 @@ def _thd_facts(cus, max_seqlens, pad_between_seqs) -> Optional[tuple]:
     return tuple(facts), pad_between_seqs, decode
 
 
+def _policy_facts(per_seq, is_causal, cu_seqlens_q: torch.Tensor) -> Optional[tuple]:
+    """The per-sequence policies' part of a THD key ((), without them), or None where the full
+    path must run (it also raises there). The batch size is in it: each count check compares
+    the ids' shapes with it, so a key fixes the outcome of every check that reads no value."""
+    if per_seq is None and is_causal is None:
+        return ()
+    if per_seq is not None and is_causal is not None:
+        return None
+    batch = cu_seqlens_q.numel() - 1
+    if is_causal is not None:
+        return ("is_causal", _plain_tensor_facts(is_causal), batch) if type(is_causal) is torch.Tensor else None
+    if type(per_seq) is not dict or not per_seq:
+        return None
+    entries = []
+    for key, ids in per_seq.items():
+        if not _exact_policy_key(key) or type(ids) is not torch.Tensor:
+            return None
+        entries.append((key, _plain_tensor_facts(ids)))
+    return "per_seq", tuple(entries), batch
+
+
+def _plain_tensor_facts(t: torch.Tensor) -> tuple:
+    return t.dtype, t.shape, t.device
+
+
+def _exact_policy_key(key) -> bool:
+    """A mask type, or (mask type, window of two Python ints): keys that compare equal only
+    when they parse alike (("padding", (2.0, 0)) equals ("padding", (2, 0)) as a key)."""
+    if type(key) is tuple:
+        return len(key) == 2 and type(key[0]) in (str, AttnMaskType) and _exact_window(key[1])
+    return type(key) in (str, AttnMaskType)
+
+
 def call_key(module, qkv_format, layers, interleave_dim, cus, max_seqlens, attn_mask_type, window_size,
-             pad_between_seqs, bottom_right_diagonal=None) -> Optional[tuple]:
+             pad_between_seqs, bottom_right_diagonal=None, per_seq=None, is_causal=None) -> Optional[tuple]:
     """Every host fact the full path's decisions read, or None if this call must take it.
 
     ``layers`` = (query, key, value, qkv_layer, kv_layer); ``cus`` = (cu_seqlens_q,
-    cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded); ``max_seqlens`` = (q, kv)."""
+    cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded); ``max_seqlens`` = (q, kv);
+    ``per_seq`` / ``is_causal``: ``attn_mask_type_per_seq`` / ``thd_sequence_is_causal``."""
     if compiling() or validation_enabled():
         return None
     if not _exact_window(window_size):
@@ -149,10 +197,12 @@ def call_key(module, qkv_format, layers, interleave_dim, cus, max_seqlens, attn_
     fmt = qkv_format if qkv_format is not None else module.qkv_format
     if fmt == "thd":
         thd = _thd_facts(cus, max_seqlens, pad_between_seqs)
-        if thd is None:
+        policy = None if thd is None else _policy_facts(per_seq, is_causal, cus[0])
+        if policy is None:
             return None
-    elif any(c is not None for c in cus):
-        return None  # dense padding from cu_seqlens: built from the tensors on every call
+        thd += policy
+    elif any(c is not None for c in cus) or per_seq is not None or is_causal is not None:
+        return None  # dense padding from cu_seqlens (built from the tensors on every call); policies need THD
     else:
         thd = None
     sink = getattr(module, "softmax_offset", None)

@@ -149,10 +149,11 @@ class AttentionInputs:
         return self.q.shape[1] == self.k.shape[1] and self.q_valid is None and self.kv_valid is None
 
 
-# What differs between two calls that share a fast-path key (fast_path.call_key): their tensors,
-# and what the key does not cover (the module's softmax_scale and its softmax_offset tensor,
-# which .to() replaces). Every other field is the same for both: the cached static half.
-PER_CALL_FIELDS = ("q", "k", "v", "packed_q", "packed_kv", "softmax_scale", "softmax_offset")
+# What differs between two calls that share a fast-path key (fast_path.call_key): their tensors
+# (the per-sequence policies hold one), and what the key does not cover (the module's
+# softmax_scale and its softmax_offset tensor, which .to() replaces). Every other field is the
+# same for both: the cached static half.
+PER_CALL_FIELDS = ("q", "k", "v", "packed_q", "packed_kv", "policies", "softmax_scale", "softmax_offset")
 STATIC_FIELDS = tuple(f.name for f in fields(AttentionInputs) if f.name not in PER_CALL_FIELDS)
 
 
@@ -160,7 +161,8 @@ def static_half(inp: AttentionInputs) -> Mapping[str, Any]:
     return {name: getattr(inp, name) for name in STATIC_FIELDS}
 
 
-def assemble_inputs(static: Mapping[str, Any], q, k, v, packed_q, packed_kv, softmax_scale, softmax_offset) -> AttentionInputs:
+def assemble_inputs(static: Mapping[str, Any], q, k, v, packed_q, packed_kv, policies, softmax_scale,
+                    softmax_offset) -> AttentionInputs:
     """A record from a cached :func:`static_half` and one call's values, for the fast path.
 
     The generated frozen ``__init__`` sets each of the ~20 fields through
@@ -171,5 +173,6 @@ def assemble_inputs(static: Mapping[str, Any], q, k, v, packed_q, packed_kv, sof
     state = inp.__dict__
     state.update(static)
     state["q"], state["k"], state["v"], state["packed_q"], state["packed_kv"] = q, k, v, packed_q, packed_kv
+    state["policies"] = policies
     state["softmax_scale"], state["softmax_offset"] = softmax_scale, softmax_offset
     return inp

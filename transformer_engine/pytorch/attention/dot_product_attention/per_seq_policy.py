@@ -90,15 +90,22 @@ def from_mask_type_dict(
         )
     if value_checks_on(device):
         _validate_ids(id_tensors, batch_size)
-    # One spare slot past the end takes ids outside [0, B): an out-of-range index would be a
-    # device-side assert on CUDA, a negative one would wrap around to another sequence.
-    policy_of_seq = torch.full((batch_size + 1,), -1, dtype=torch.int64, device=device)
-    for p, ids in enumerate(id_tensors):
-        ids = ids.long()
-        policy_of_seq.index_fill_(0, torch.where((ids >= 0) & (ids < batch_size), ids, batch_size), p)
-    policy_of_seq = policy_of_seq[:batch_size]
     sizes = tuple(int(ids.numel()) for ids in id_tensors)
-    return SeqPolicies(tuple(specs), policy_of_seq, tuple(n > 0 for n in sizes), sizes)
+    return SeqPolicies(tuple(specs), policy_of_ids(id_tensors, batch_size, device), tuple(n > 0 for n in sizes), sizes)
+
+
+def policy_of_ids(id_tensors, batch_size: int, device: torch.device) -> torch.Tensor:
+    """[B] int64: the index of the last policy (in dict order) whose ids name each sequence, -1
+    for a sequence none names. Two launches per policy and one more, with no sync.
+
+    Ids outside [0, B) land in two spare slots past the end, never on a sequence: clamped to
+    [-1, B], an id >= B writes slot B and a negative one writes -1, which index_fill wraps to
+    the last slot B + 1 (it accepts indices in [-size, size) on the CPU and on CUDA). Unclamped,
+    such an id would be a device-side assert on CUDA or wrap around to another sequence."""
+    table = torch.full((batch_size + 2,), -1, dtype=torch.int64, device=device)
+    for p, ids in enumerate(id_tensors):
+        table.index_fill_(0, ids.long().clamp(-1, batch_size), p)  # in order: a repeated id keeps the last policy
+    return table[:batch_size]
 
 
 def from_is_causal(is_causal: torch.Tensor, batch_size: int, device: torch.device, window_size) -> SeqPolicies:
@@ -113,6 +120,39 @@ def from_is_causal(is_causal: torch.Tensor, batch_size: int, device: torch.devic
     specs = tuple(_parse_key(m, window_size, arg) for m in (AttnMaskType.PADDING, AttnMaskType.PADDING_CAUSAL))
     live = batch_size > 0
     return SeqPolicies(specs, is_causal.long(), (live, live))
+
+
+@dataclass(frozen=True)
+class PolicyRecipe:
+    """The host half of one call's policies, for repeats of that call (see :mod:`.fast_path`,
+    whose key holds every fact it was parsed from: the spelling, the dict's keys in order, the
+    window, the id tensors' dtypes, shapes and devices, and the batch size).
+
+    ``specs`` None: one policy owned every sequence (shapes said so), and the call ran the
+    scalar path with that policy's mask; repeats then build no policies at all."""
+
+    by_ids: bool  # attn_mask_type_per_seq (else thd_sequence_is_causal)
+    specs: Optional[Tuple[MaskSpec, ...]]
+    maybe_nonempty: Tuple[bool, ...] = ()
+    sizes: Optional[Tuple[int, ...]] = None
+
+    @classmethod
+    def of(cls, policies: Optional[SeqPolicies], by_ids: bool) -> "PolicyRecipe":
+        if policies is None:
+            return cls(by_ids, None)
+        return cls(by_ids, policies.specs, policies.maybe_nonempty, policies.sizes)
+
+    def policies(self, per_seq, is_causal, batch_size: int, device: torch.device) -> Optional[SeqPolicies]:
+        """This call's policies, as :func:`parse_policies` builds them for it (the same value
+        checks included, where :func:`value_checks_on` runs them)."""
+        if not self.by_ids:
+            return None if self.specs is None else SeqPolicies(self.specs, is_causal.long(), self.maybe_nonempty)
+        id_tensors = tuple(per_seq.values())
+        if value_checks_on(device):
+            _validate_ids(id_tensors, batch_size)
+        if self.specs is None:
+            return None
+        return SeqPolicies(self.specs, policy_of_ids(id_tensors, batch_size, device), self.maybe_nonempty, self.sizes)
 
 
 def _validate_ids(id_tensors, batch_size) -> None:

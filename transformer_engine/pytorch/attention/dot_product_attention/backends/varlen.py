@@ -84,7 +84,10 @@ def plan_varlen(inp: AttentionInputs) -> VarlenPlan:
     calls = []
     for p in policies.active():
         mine = policies.seq_mask(p)
-        calls.append(VarlenCall(p, policies.specs[p], torch.where(mine, len_q, 0), torch.where(mine, len_kv, 0)))
+        used_q = torch.where(mine, len_q, 0)
+        # One tensor for both sides when the lengths are one tensor (a launch saved per policy).
+        used_kv = used_q if len_kv is len_q else torch.where(mine, len_kv, 0)
+        calls.append(VarlenCall(p, policies.specs[p], used_q, used_kv))
     return VarlenPlan(pq.offsets, pk.offsets, calls, gaps)
 
 
