@@ -323,17 +323,25 @@ def _thd_params():
 
 def test_thd_selection_reads_neither_batch_size_nor_max_seqlen():
     """The key leaves these per-batch values out; this holds only while no backend's rules read
-    them for THD beyond what the key carries: the one such fact, "max_seqlen_q == 1 <
-    max_seqlen_kv" (cuDNN's decode-shaped backward rule), is in the key, so selection must be
-    the same for every batch on either side of it. A rule that reads more must add it too."""
+    them for THD beyond what the key carries: the two such facts, "max_seqlen_q == 1" (cuDNN
+    refuses sinks there) and "max_seqlen_q == 1 < max_seqlen_kv" (cuDNN's decode-shaped
+    backward rule), are in the key, so selection must be the same for every batch within each
+    class they make. A rule that reads more must add it too. Sinks and a cuDNN that runs them
+    (9.26) are included, so the sink rules are exercised."""
+    libs = dataclasses.replace(ALL_LIBS, cudnn=92600)
+    classes = (((3, 4096, 128), (1000, 128, 65536), (5, 2, 2)),  # more than one query row
+               ((1, 1, 1), (9, 1, 1)),  # one query row and one key
+               ((1, 1, 512), (7, 1, 2), (1000, 1, 65536)))  # decode-shaped
     for params in _thd_params():
-        for shapes in (((1, 1, 1), (3, 4096, 128), (1000, 128, 65536)), ((1, 1, 512), (7, 1, 2), (1000, 1, 65536))):
-            want = None
-            for b, sq, skv in shapes:
-                varied = dataclasses.replace(params, batch_size=b, max_seqlen_q=sq, max_seqlen_kv=skv)
-                got = get_attention_backend(varied, ALL_LIBS)
-                want = got if want is None else want
-                assert got == want, varied
+        for softmax_type in ("vanilla", "off-by-one") if params.attention_dropout == 0 else ("vanilla",):
+            for shapes in classes:
+                want = None
+                for b, sq, skv in shapes:
+                    varied = dataclasses.replace(params, batch_size=b, max_seqlen_q=sq, max_seqlen_kv=skv,
+                                                 softmax_type=softmax_type)
+                    got = get_attention_backend(varied, libs)
+                    want = got if want is None else want
+                    assert got == want, varied
 
 
 def test_decode_shape_is_part_of_the_thd_key():
@@ -343,6 +351,9 @@ def test_decode_shape_is_part_of_the_thd_key():
     cus = (cu, cu, None, None)
     assert _thd_facts(cus, (1, 512), None) != _thd_facts(cus, (4, 512), None)
     assert _thd_facts(cus, (4, 512), None) == _thd_facts(cus, (64, 8), None)
+    # one query row: cuDNN's sink rule, whatever the keys
+    assert _thd_facts(cus, (1, 1), None) != _thd_facts(cus, (4, 4), None)
+    assert _thd_facts(cus, (1, 1), None) != _thd_facts(cus, (1, 512), None)
 
 
 def test_eager_calls_between_compiled_ones_cause_no_recompile():

@@ -136,10 +136,11 @@ def _thd_facts(cus, max_seqlens, pad_between_seqs) -> Optional[tuple]:
         facts.append((c.dtype, c.dim(), c.device, _same_as(cus, c)))
     if not n:  # needs cu_seqlens_q of at least one entry (the full path names what is wrong)
         return None
-    # The one THD selection rule that reads max_seqlen (cuDNN refuses decode-shaped top-left
-    # causal backward): its condition, not the values, is part of the key.
-    decode = max_seqlens[0] == 1 < max_seqlens[1]
-    return tuple(facts), pad_between_seqs, decode
+    # The THD selection rules that read max_seqlen (cuDNN refuses decode-shaped top-left causal
+    # backward, and sinks with one query row): their conditions, not the values, are in the key.
+    one_query = max_seqlens[0] == 1
+    decode = one_query and max_seqlens[1] > 1
+    return tuple(facts), pad_between_seqs, one_query, decode
 
 
 def _policy_facts(per_seq, is_causal, cu_seqlens_q: torch.Tensor) -> Optional[tuple]:
