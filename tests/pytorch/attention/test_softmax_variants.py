@@ -284,7 +284,7 @@ def test_no_backend_error_names_softmax_type_not_return_max_logit():
 
 # ------------------------------------------------------------------------- declarations
 
-ALL_LIBS = InstalledLibraries("2", "3", "4", "1")
+ALL_LIBS = InstalledLibraries("2", "3", "4", "1.32.0")
 THD = AttentionParams(qkv_format="thd", qkv_layout="thd_thd_thd", attn_mask_type=AttnMaskType.PADDING_CAUSAL,
                       head_dim_qk=128, head_dim_v=128)
 
@@ -318,6 +318,14 @@ def test_cudnn_sinks_follow_the_cudnn_version(cudnn, fmt, grad, need):
         assert text == ""
     else:
         assert text.startswith("softmax_type='learnable' with cuDNN ") and text.endswith(f"or cuDNN >= {need})")
+
+
+@pytest.mark.parametrize("frontend,refused", [("1.31.0", True), ("1.32.0", False), ("1.33.1", False), ("dev", True)])
+def test_cudnn_sinks_need_the_frontend_they_were_run_with(frontend, refused):
+    params = replace(THD, qkv_format="bshd", qkv_layout="bshd_bshd_bshd", softmax_type="learnable")
+    libs = replace(ALL_LIBS, cudnn_frontend=frontend, cudnn=92600)
+    text = "; ".join(map(str, get_attention_backend(params, libs).reasons_for("FusedAttention")))
+    assert (f"softmax_type='learnable' with cudnn-frontend {frontend}" in text) is refused
 
 
 def test_cudnn_sinks_need_more_than_one_query_row():

@@ -64,6 +64,15 @@ class FusedAttention(BackendSupport):
 
 SINK_MIN_CUDNN = 91300  # sink_token in sdpa and sdpa_backward
 SINK_THD_BACKWARD_MIN_CUDNN = 92600  # sink_token with ragged offsets in sdpa_backward
+SINK_MIN_FRONTEND = (1, 32)  # the frontend release sink_token / dSink_token were run with
+
+
+def _release(version: Optional[str]) -> Tuple[int, ...]:
+    """(major, minor) of a version string such as "1.32.0"; (0,) where it cannot be read."""
+    try:
+        return tuple(int(part) for part in (version or "").split(".")[:2])
+    except ValueError:
+        return (0,)
 
 
 def _sink_reasons(params, libs) -> List[Reason]:
@@ -75,6 +84,9 @@ def _sink_reasons(params, libs) -> List[Reason]:
     if params.max_seqlen_q == 1:
         return [Reason("softmax_type", f"{params.softmax_type!r} with max_seqlen_q=1",
                        "vanilla, or max_seqlen_q > 1 (cuDNN's decode-only mode takes no sink)")]
+    if _release(libs.cudnn_frontend) < SINK_MIN_FRONTEND:
+        return [Reason("softmax_type", f"{params.softmax_type!r} with cudnn-frontend {libs.cudnn_frontend}",
+                       "vanilla, or cudnn-frontend >= 1.32 (the first release sink_token was tested with here)")]
     have = libs.cudnn
     need, why = SINK_MIN_CUDNN, "sinks"
     if params.qkv_format == "thd" and params.requires_grad:
