@@ -88,12 +88,13 @@ def scaling(args) -> None:
 
 def one_gpu(args) -> None:
     from transformer_engine.pytorch.attention.dot_product_attention.cp_algorithms import CPProblem, ring_plan
-    from transformer_engine.pytorch.attention.dot_product_attention.cp_kernels import CudnnCPKernel, FA4CPKernel
+    from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import CudnnSpanKernel
+    from transformer_engine.pytorch.attention.dot_product_attention.backends.fa4 import FA4SpanKernel
     from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType, MaskSpec
     from transformer_engine.pytorch.attention.dot_product_attention.cp_partition import get_cp_partition_indices
 
     dev = torch.device("cuda")
-    kernel = FA4CPKernel if args.backend == "fa4" else CudnnCPKernel
+    kernel = FA4SpanKernel if args.backend == "fa4" else CudnnSpanKernel
     cu, off, total = _batch(8, dev)
     spec = MaskSpec(AttnMaskType.PADDING_CAUSAL, (-1, 0))
     lengths = torch.diff(cu).long()

@@ -73,8 +73,8 @@ class BackendSupport:
     SUPPORTS_DIFFERENT_HEAD_DIM_V: ClassVar[bool] = True
     SUPPORTED_SOFTMAX_TYPES: ClassVar[FrozenSet[str]] = frozenset({"vanilla"})
     SUPPORTS_RETURN_MAX_LOGIT: ClassVar[bool] = False
-    # Context parallelism: the comm types this backend runs the local steps of (its CP kernel
-    # is in cp_kernels.py). a2a runs the ordinary path on the whole sequence, so every backend.
+    # Context parallelism: the comm types this backend runs the local steps of (its span kernel,
+    # spans.py, sits in its file; cp_kernels.KERNELS maps it). a2a runs the ordinary path on the whole sequence, so every backend.
     CP_COMM_TYPES: ClassVar[FrozenSet[str]] = frozenset({"a2a"})
     NOTES: ClassVar[dict] = {}
 

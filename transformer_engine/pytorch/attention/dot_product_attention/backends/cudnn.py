@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..params import AttentionInputs
+from ..spans import RowSpan, rows_zero
 from ..support import SOFTMAX_TYPES, BackendSupport, Reason, bias_thd_reasons
 from . import kernel_ops
 from .kernel_autograd import run_kernel
@@ -628,3 +629,43 @@ def _build_bwd(handle, q, k, v, o, do, dq, dk, dv, grads, b, sq, skv, scale, ban
     return _finish(g)
 
 
+# ------------------------------------------------------------ the span interface (context parallelism)
+
+
+class CudnnSpanKernel:
+    """cuDNN graph SDPA: span starts as ragged offsets, lengths as per-sequence lengths. Its
+    stats are [B, H, SQ, 1] by position in the span; they are moved to/from [H, TQ] by a
+    gather (sync-free)."""
+
+    @staticmethod
+    def _args(qs, ks, mask, scale):
+        left, right = (mask.window_left, 0) if mask.causal else (-1, -1)
+        # Bottom-right: the diagonal sits at the span's last key (spans of q and kv differ).
+        return (qs.offsets, ks.offsets, qs.lengths, ks.lengths, qs.lengths.numel(), qs.max_len, ks.max_len, scale,
+                mask.causal, left, right, True)
+
+    @staticmethod
+    def _stat_index(qs: RowSpan, b: int, sq: int) -> torch.Tensor:
+        """[TQ] flat index into [B, SQ] of each row's stat (clamped where not covered)."""
+        return qs.seq * sq + qs.pos.clamp(0, sq - 1)
+
+    @classmethod
+    def forward(cls, q, k, v, qs, ks, mask, scale):
+        out, stats = kernel_ops.ops.cudnn_fwd(q, k, v, *cls._args(qs, ks, mask, scale))
+        b, h, sq, _ = stats.shape
+        flat = stats.view(b, h, sq).permute(1, 0, 2).reshape(h, b * sq)
+        lse = flat[:, cls._stat_index(qs, b, sq)]
+        lse = torch.where(qs.covered.view(1, -1), lse, float("-inf"))
+        return rows_zero(out, qs.covered), lse
+
+    @classmethod
+    def backward(cls, dout, q, k, v, out, lse, qs, ks, mask, scale):
+        b, sq = qs.lengths.numel(), max(qs.max_len, 1)
+        h = q.shape[1]
+        index = qs.offsets.long()[:-1].view(b, 1) + torch.arange(sq, device=q.device).view(1, sq)
+        index = index.clamp(0, q.shape[0] - 1)
+        stats = lse[:, index.flatten()].view(h, b, sq).permute(1, 0, 2).reshape(*stats_shape(q, b, sq)).contiguous()
+        dout = dout if dout.stride() == out.stride() else dout.contiguous()
+        dq, dk, dv, *_ = kernel_ops.ops.cudnn_bwd(dout, q, k, v, out, stats, *cls._args(qs, ks, mask, scale),
+                                      torch.are_deterministic_algorithms_enabled())
+        return rows_zero(dq, qs.covered), rows_zero(dk, ks.covered), rows_zero(dv, ks.covered)

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
+from ..masks import AttnMaskType, MaskSpec
 from ..params import AttentionInputs
+from ..spans import StepMask, rows_zero
 from ..support import SOFTMAX_TYPES, Reason
 from . import kernel_ops
 from .flash_common import FlashAttention, fa_mask_args
@@ -271,3 +273,34 @@ class _FA4Kernel:
         return (*call.offsets(plan), call.seqused_q, call.seqused_kv,
                 inp.packed_q.max_seqlen, inp.packed_kv.max_seqlen)
 
+
+# ------------------------------------------------------------ the span interface (context parallelism)
+
+
+def _fa_window(mask: StepMask) -> Tuple[bool, int, int]:
+    spec = MaskSpec(AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT if mask.causal else AttnMaskType.PADDING,
+                    (mask.window_left, 0) if mask.causal else (-1, -1))
+    return fa_mask_args(spec)
+
+
+class FA4SpanKernel:
+    """flash_attn.cute through the registered ops: span starts as ``cu_seqlens``, lengths as
+    ``seqused``; its varlen LSE is [H, T] by physical row, which is this interface's layout.
+    FA4 leaves skipped rows unwritten, so they are set to 0 / -inf here."""
+
+    @staticmethod
+    def forward(q, k, v, qs, ks, mask, scale):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+        kernel_ops.ops.fa4_fwd(q, k, v, out, lse, qs.offsets, ks.offsets, qs.lengths, ks.lengths, qs.max_len, ks.max_len, scale,
+                    *_fa_window(mask))
+        lse = torch.where(qs.covered.view(1, -1), lse, float("-inf"))
+        return rows_zero(out, qs.covered), lse
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, qs, ks, mask, scale):
+        dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+        # The kernel reads lse of covered rows only; -inf elsewhere is never read.
+        kernel_ops.ops.fa4_bwd(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, qs.offsets, ks.offsets, qs.lengths, ks.lengths,
+                    qs.max_len, ks.max_len, scale, *_fa_window(mask), torch.are_deterministic_algorithms_enabled())
+        return rows_zero(dq, qs.covered), rows_zero(dk, ks.covered), rows_zero(dv, ks.covered)
