@@ -547,8 +547,8 @@ def test_policy_counts_are_checked_against_a_new_batch_size(spelling):
 @pytest.mark.parametrize("label", list(GPU_BACKENDS))
 @pytest.mark.parametrize("spelling", ["dict", "is_causal"])
 def test_gpu_policy_hit_equals_full_path(label, spelling, full_paths):
-    """On each GPU backend: a repeated mixed-policy call (new lengths, ids and values) takes
-    the fast path and matches a fresh module's full path (the forward bit for bit; gradients
+    """On each GPU backend: a repeated mixed-policy call (new lengths, ids and values; the same
+    token count and id shapes, so the same key) takes the fast path and matches a fresh module's full path (the forward bit for bit; gradients
     up to the order of the backward's atomic adds)."""
     gaps = [5, 0, 33, 2, 0, 100]
 
@@ -567,10 +567,23 @@ def test_gpu_policy_hit_equals_full_path(label, spelling, full_paths):
 
     dpa = DotProductAttention(H, 128, qkv_format="thd", attn_mask_type="padding")
     outputs(dpa, *call([300, 17, 512, 1, 200, 64], [True, False, True, False, True, False], 0))
-    p, kw = call([100, 512, 3, 250, 64, 90], [False, False, True, True, False, True], 1)
+    p, kw = call([100, 512, 3, 250, 64, 165], [False, False, True, True, False, True], 1)  # 1094 tokens, as above
     got = outputs(dpa, p, kw)
     assert len(full_paths) == 1
     want = outputs(DotProductAttention(H, 128, qkv_format="thd", attn_mask_type="padding"), p, kw)
     assert torch.equal(got[0], want[0])
     for a, b in zip(got[1:], want[1:]):
         assert torch.isfinite(a).all() and rel_err(a, b) < 1e-3
+
+
+@pytest.mark.parametrize("policy", ["dict", "is_causal"])
+def test_missing_cu_seqlens_q_with_policies_is_named(policy):
+    """The key builder must hand such a call to the full path, which names the argument (it
+    once read the batch size from the missing tensor: an AttributeError)."""
+    q = torch.randn(8, H, D)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    kw = (dict(thd_sequence_is_causal=torch.tensor([True, False])) if policy == "is_causal"
+          else dict(attn_mask_type_per_seq={"padding_causal": torch.tensor([0]), "padding": torch.tensor([1])}))
+    dpa = DotProductAttention(H, D, qkv_format="thd")
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        dpa(q, q, q, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5, **kw)

@@ -149,8 +149,8 @@ def _policy_facts(per_seq, is_causal, cu_seqlens_q: torch.Tensor) -> Optional[tu
     the ids' shapes with it, so a key fixes the outcome of every check that reads no value."""
     if per_seq is None and is_causal is None:
         return ()
-    if per_seq is not None and is_causal is not None:
-        return None
+    if (per_seq is not None and is_causal is not None) or type(cu_seqlens_q) is not torch.Tensor:
+        return None  # the full path names what is wrong
     batch = cu_seqlens_q.numel() - 1
     if is_causal is not None:
         return ("is_causal", _plain_tensor_facts(is_causal), batch) if type(is_causal) is torch.Tensor else None

@@ -96,7 +96,8 @@ def from_mask_type_dict(
 
 def policy_of_ids(id_tensors, batch_size: int, device: torch.device) -> torch.Tensor:
     """[B] int64: the index of the last policy (in dict order) whose ids name each sequence, -1
-    for a sequence none names. Two launches per policy and one more, with no sync.
+    for a sequence none names. Two launches per policy (three for ids that need a cast to int64)
+    and one more, with no sync.
 
     Ids outside [0, B) land in two spare slots past the end, never on a sequence: clamped to
     [-1, B], an id >= B writes slot B and a negative one writes -1, which index_fill wraps to
