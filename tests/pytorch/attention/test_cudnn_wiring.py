@@ -130,3 +130,20 @@ def test_sink_gradient_is_the_sum_of_the_policy_calls(recorder):
     assert len(recorder.fwd) == 2 and [c["need_dsink"] for c in recorder.bwd] == [True, True]
     assert all(c["sink"] is recorder.fwd[0]["sink"] for c in recorder.fwd + recorder.bwd)
     assert torch.equal(dpa.softmax_offset.grad.reshape(-1), torch.full((4,), 4.0))
+
+
+def test_row_owners_are_made_once_per_forward_and_backward(recorder, monkeypatch):
+    """Several policies' calls are combined by row owner; the backward reuses the forward's."""
+    from transformer_engine.pytorch.attention.dot_product_attention.backends import varlen
+
+    from .packing import make_thd
+
+    made = []
+    real = varlen._owners
+    monkeypatch.setattr(varlen, "_owners", lambda inp: made.append(1) or real(inp))
+    p = make_thd([5, 3, 6], gaps_q=[2, 0, 1], h=4, hg=4, d=8, dtype=torch.bfloat16)
+    for t in (p.q, p.k, p.v):
+        t.requires_grad_()
+    kwargs = dict(p.kwargs(True, 6, 6, shared=True), thd_sequence_is_causal=torch.tensor([True, False, True]))
+    DotProductAttention(4, 8, qkv_format="thd")(p.q, p.k, p.v, **kwargs).float().sum().backward()
+    assert len(recorder.fwd) == len(recorder.bwd) == 2 and len(made) == 1

@@ -20,7 +20,7 @@ from ..spans import RowSpan, rows_zero
 from ..support import SOFTMAX_TYPES, BackendSupport, Reason, bias_thd_reasons
 from . import kernel_ops
 from .kernel_autograd import run_kernel
-from .varlen import VarlenCall, VarlenPlan, _owners, _valid_lengths, combine_rows, plan_varlen
+from .varlen import VarlenCall, VarlenPlan, _valid_lengths, combine_rows, plan_varlen
 
 
 class FusedAttention(BackendSupport):
@@ -168,7 +168,7 @@ class _CudnnKernel:
                    for call in calls]
         if len(results) == 1:
             return results[0][0], [results[0][1]]
-        owner_q, _ = _owners(inp)
+        owner_q, _ = plan.owners(inp)
         out = combine_rows(owner_q, [(call.policy, o) for call, (o, _) in zip(calls, results)])
         return out, [s for _, s in results]
 
@@ -183,7 +183,7 @@ class _CudnnKernel:
         dsink = sum(g[4] for g in grads) if features.need_dsink else None
         if len(grads) == 1:
             return (*grads[0][:3], dbias, dsink)
-        owner_q, owner_kv = _owners(inp)
+        owner_q, owner_kv = plan.owners(inp)
         return (*(combine_rows(owner, [(call.policy, g[i]) for call, g in zip(calls, grads)])
                   for i, owner in ((0, owner_q), (1, owner_kv), (2, owner_kv))), dbias, dsink)
 

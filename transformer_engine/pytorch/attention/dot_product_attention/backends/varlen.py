@@ -67,6 +67,14 @@ class VarlenPlan:
     offsets_kv: torch.Tensor
     calls: List[VarlenCall]
     has_gaps: bool
+    # The row owners (q, kv) of several policies' calls, made once per forward by ``owners``
+    # and reused by the backward (each is a handful of launches).
+    row_owners: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+    def owners(self, inp: AttentionInputs) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self.row_owners is None:
+            self.row_owners = _owners(inp)
+        return self.row_owners
 
 
 def plan_varlen(inp: AttentionInputs) -> VarlenPlan:
@@ -225,7 +233,7 @@ def run_library_varlen(inp: AttentionInputs, plan: VarlenPlan, call_fn) -> torch
     """For libraries with their own autograd, which allocate outputs and gradients themselves
     (skipped rows, the tail included, hold garbage): each call sees inputs whose gradient keeps
     only that call's rows, and the outputs are combined row by row."""
-    owner_q, owner_kv = _owners(inp)
+    owner_q, owner_kv = plan.owners(inp)
     parts = []
     for call in plan.calls:
         q = _MaskRowGrad.apply(inp.q, owner_q == call.policy)
