@@ -2,19 +2,21 @@
 
 For each batch shape, half of the sequences causal (every other one), bf16, THD:
 
-  mixed        DotProductAttention with ``attn_mask_type_per_seq`` (sizes known: compacted calls)
-  mixed-span   the same with NVTE_THD_POLICY_COMPACT=0 (each policy's call spans the batch)
-  shorthand    ``thd_sequence_is_causal`` (sizes unknown: calls span the batch)
-  causal, full the uniform calls on the same tokens
+  mixed          DotProductAttention with ``attn_mask_type_per_seq``, default settings (each
+                 policy's call spans the batch, the others' sequences with length 0)
+  mixed-compact  the same with NVTE_THD_POLICY_COMPACT=1 (each call gets only its sequences)
+  shorthand      ``thd_sequence_is_causal`` (default settings)
+  causal, full   the uniform calls on the same tokens
 
 The bound is t_causal * (causal work of the causal sequences / causal work of all) + t_full *
 (full work of the full sequences / full work of all): each uniform call's time weighted by the
 share of its work the mixed batch holds. Every time is a median of triton's do_bench, forward
 alone and forward+backward, both as eager calls and as CUDA-graph replays (host time vs GPU
-time). Writes mixed.json and mixed.md under --out; ``--plot FILE.json`` draws the ratios.
+time). Writes mixed.json and mixed.md under --out; ``--plot`` merges runs and draws the ratios.
 
   python benchmarks/attention/benchmark_mixed.py --backend fa4 cudnn --out DIR
-  python benchmarks/attention/benchmark_mixed.py --plot DIR/mixed.json
+  python benchmarks/attention/benchmark_mixed.py --backend cudnn --shape 110short-h8-d64 --out DIR2
+  python benchmarks/attention/benchmark_mixed.py --plot DIR/mixed.json DIR2/mixed.json --out MERGED
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ class Case:
 
     def call(self, variant: str) -> Callable[[], torch.Tensor]:
         kw = dict(self.kwargs)
-        if variant in ("mixed", "mixed-span"):
+        if variant.startswith("mixed"):
             kw["attn_mask_type_per_seq"] = self.per_seq
         elif variant == "shorthand":
             kw["thd_sequence_is_causal"] = self.is_causal
@@ -128,11 +130,15 @@ def _time(fn) -> float:
     return do_bench(fn, warmup=20, rep=120, return_mode="median")
 
 
+VARIANT_ENV = {"mixed-compact": {"NVTE_THD_POLICY_COMPACT": "1"}}
+SWITCHES = ("NVTE_THD_POLICY_COMPACT",)
+
+
 def measure(case: Case, variant: str, with_bwd: bool, graph: bool) -> float:
     from transformer_engine.pytorch.attention import backend_scope
 
-    saved = os.environ.get("NVTE_THD_POLICY_COMPACT")
-    os.environ["NVTE_THD_POLICY_COMPACT"] = "0" if variant == "mixed-span" else "1"
+    saved = {name: os.environ.pop(name, None) for name in SWITCHES}
+    os.environ.update(VARIANT_ENV.get(variant, {}))
     try:
         with backend_scope(allow=[case.label]):
             step = _step(case.call(variant), (case.q, case.k, case.v), with_bwd)
@@ -141,19 +147,22 @@ def measure(case: Case, variant: str, with_bwd: bool, graph: bool) -> float:
                 raise RuntimeError(f"{case.label} was not selected: {case.dpa.last_selection.label}")
             return _time(graphed(step) if graph else step)
     finally:
-        if saved is None:
-            os.environ.pop("NVTE_THD_POLICY_COMPACT", None)
-        else:
-            os.environ["NVTE_THD_POLICY_COMPACT"] = saved
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
 
 
-VARIANTS = ("causal", "full", "mixed", "mixed-span", "shorthand")
+VARIANTS = ("causal", "full", "mixed", "mixed-compact", "shorthand")
+MIXED = VARIANTS[2:]
 
 
-def run(backends: List[str], out: Path) -> List[Dict]:
+def run(backends: List[str], out: Path, names: Optional[List[str]] = None) -> List[Dict]:
     rows = []
     for backend in backends:
         for shape in shapes():
+            if names and shape.name not in names:
+                continue
             case = Case(shape, backend)
             share_c, share_f = _work(shape.lengths, case.causal)
             for with_bwd in (False, True):
@@ -169,7 +178,7 @@ def run(backends: List[str], out: Path) -> List[Dict]:
                             traceback.print_exc()
                     if row["causal"] and row["full"]:
                         row["bound"] = row["causal"] * share_c + row["full"] * share_f
-                        for variant in ("mixed", "mixed-span", "shorthand"):
+                        for variant in MIXED:
                             if row[variant]:
                                 row[f"{variant}/bound"] = row[variant] / row["bound"]
                     rows.append(row)
@@ -183,30 +192,38 @@ def run(backends: List[str], out: Path) -> List[Dict]:
 
 
 def markdown(rows: List[Dict]) -> str:
-    head = "| backend | shape | pass | mode | causal ms | full ms | bound ms | mixed ms | mixed/bound | span/bound | shorthand/bound |"
+    head = ("| backend | shape | pass | mode | causal ms | full ms | bound ms | mixed ms | mixed/bound | "
+            "compact/bound | shorthand/bound |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     fmt = lambda x, p=3: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
     for r in rows:
         lines.append(f"| {r['backend']} | {r['shape']} | {r['pass_']} | {r['mode']} | {fmt(r['causal'])} | {fmt(r['full'])} | "
                      f"{fmt(r.get('bound'))} | {fmt(r['mixed'])} | {fmt(r.get('mixed/bound'), 2)} | "
-                     f"{fmt(r.get('mixed-span/bound'), 2)} | {fmt(r.get('shorthand/bound'), 2)} |")
+                     f"{fmt(r.get('mixed-compact/bound'), 2)} | "
+                     f"{fmt(r.get('shorthand/bound'), 2)} |")
     return "\n".join(lines) + "\n"
 
 
-def plot(path: Path) -> Path:
+def plot(paths: List[Path], out: Path) -> Path:
+    """Merge the rows of ``paths`` into ``out``/mixed.json and .md, and draw ``out``/mixed.png."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = json.loads(path.read_text())
+    rows = [row for path in paths for row in json.loads(path.read_text())]
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "mixed.json"
+    path.write_text(json.dumps(rows, indent=1))
+    (out / "mixed.md").write_text(markdown(rows))
     panels = sorted({(r["backend"], r["pass_"], r["mode"]) for r in rows})
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, 2.6 * len(panels)), squeeze=False)
     for ax, (backend, pass_, mode) in zip(axes[:, 0], panels):
         sel = [r for r in rows if (r["backend"], r["pass_"], r["mode"]) == (backend, pass_, mode)]
         x = range(len(sel))
-        for i, variant in enumerate(("mixed", "mixed-span", "shorthand")):
-            ax.bar([j + 0.27 * (i - 1) for j in x], [r.get(f"{variant}/bound") or 0 for r in sel], width=0.27, label=variant)
+        width = 0.8 / len(MIXED)
+        for i, variant in enumerate(MIXED):
+            ax.bar([j + width * (i - 1) for j in x], [r.get(f"{variant}/bound") or 0 for r in sel], width=width, label=variant)
         ax.axhline(1.15 if backend == "fa4" else 1.3, color="k", linestyle="--", linewidth=0.8)
         ax.set_xticks(list(x), [r["shape"] for r in sel], fontsize=7)
         ax.set_ylabel("time / bound")
@@ -222,12 +239,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", nargs="+", choices=sorted(LABELS), default=["fa4", "cudnn"])
     parser.add_argument("--out", type=Path, default=Path("bench-mixed"))
-    parser.add_argument("--plot", type=Path, help="draw the ratios of an earlier run's mixed.json and exit")
+    parser.add_argument("--shape", nargs="+", choices=[s.name for s in shapes()],
+                        help="only these shapes (one process per shape keeps a failed CUDA-graph capture, which "
+                             "poisons the process's RNG state, from failing the shapes after it)")
+    parser.add_argument("--plot", type=Path, nargs="+", help="draw the ratios of earlier runs' mixed.json files (merged) and exit")
     args = parser.parse_args(argv)
     if args.plot:
-        print(plot(args.plot))
+        print(plot(args.plot, args.out))
         return
-    run(args.backend, args.out)
+    run(args.backend, args.out, args.shape)
 
 
 if __name__ == "__main__":

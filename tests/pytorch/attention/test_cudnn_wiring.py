@@ -132,18 +132,54 @@ def test_sink_gradient_is_the_sum_of_the_policy_calls(recorder):
     assert torch.equal(dpa.softmax_offset.grad.reshape(-1), torch.full((4,), 4.0))
 
 
-def test_row_owners_are_made_once_per_forward_and_backward(recorder, monkeypatch):
-    """Several policies' calls are combined by row owner; the backward reuses the forward's."""
+class _RowWritingOps(_RecordingOps):
+    """Like a cuDNN call: rows of the sequences it runs (length > 0) get the call's number, all
+    other rows stay 0."""
+
+    @staticmethod
+    def _fill(t, offsets, lengths, value):
+        for b in range(lengths.numel()):
+            start = int(offsets[b])
+            t[start:start + int(lengths[b])] = value
+        return t
+
+    def cudnn_fwd(self, q, k, v, *args):
+        out, stats = super().cudnn_fwd(q, k, v, *args)
+        call = self.fwd[-1]
+        return self._fill(out, call["offsets_q"], call["seqlens_q"], len(self.fwd)), stats
+
+    def cudnn_bwd(self, dout, q, k, v, out, stats, *args):
+        dq, dk, dv, dbias, dsink = super().cudnn_bwd(dout, q, k, v, out, stats, *args)
+        call, n = self.bwd[-1], len(self.bwd)
+        grads = [self._fill(t, call[f"offsets_{s}"], call[f"seqlens_{s}"], n) for t, s in ((dq, "q"), (dk, "kv"), (dv, "kv"))]
+        return (*grads, dbias, dsink)
+
+
+def test_policy_calls_are_summed_without_row_owners(monkeypatch):
+    """Several policies' calls are combined by a sum (each leaves other rows at 0): every row
+    holds its own policy's call, gaps stay 0, and no row owners are made."""
     from transformer_engine.pytorch.attention.dot_product_attention.backends import varlen
 
     from .packing import make_thd
 
-    made = []
-    real = varlen._owners
-    monkeypatch.setattr(varlen, "_owners", lambda inp: made.append(1) or real(inp))
+    ops = _RowWritingOps()
+    monkeypatch.setattr(kernel_ops, "ops", ops)
+    monkeypatch.setattr(varlen, "_owners", lambda inp: pytest.fail("row owners made"))
     p = make_thd([5, 3, 6], gaps_q=[2, 0, 1], h=4, hg=4, d=8, dtype=torch.bfloat16)
     for t in (p.q, p.k, p.v):
         t.requires_grad_()
     kwargs = dict(p.kwargs(True, 6, 6, shared=True), thd_sequence_is_causal=torch.tensor([True, False, True]))
-    DotProductAttention(4, 8, qkv_format="thd")(p.q, p.k, p.v, **kwargs).float().sum().backward()
-    assert len(recorder.fwd) == len(recorder.bwd) == 2 and len(made) == 1
+    with backend_scope(force=backends.FusedAttention):
+        out = DotProductAttention(4, 8, qkv_format="thd")(p.q, p.k, p.v, **kwargs)
+        out.float().sum().backward()
+    assert sorted(c["causal"] for c in ops.fwd) == [False, True] and len(ops.bwd) == 2
+    assert [c["causal"] for c in ops.bwd] == [c["causal"] for c in ops.fwd]
+    # Rows of sequences 0 and 2 come from the causal call, sequence 1 from the other; gaps are 0.
+    causal_call = 1 + [c["causal"] for c in ops.fwd].index(True)
+    expect = torch.zeros(p.q.shape[0])
+    offsets = p.kwargs(True, 6, 6, shared=True)["cu_seqlens_q_padded"]
+    for b, (n, call) in enumerate(zip([5, 3, 6], [causal_call, 3 - causal_call, causal_call])):
+        expect[int(offsets[b]):int(offsets[b]) + n] = call
+    assert torch.equal(out.detach().float().view(out.shape[0], -1)[:, 0], expect)
+    for grad in (p.q.grad, p.k.grad, p.v.grad):
+        assert torch.equal(grad.float()[:, 0, 0], expect)

@@ -20,7 +20,7 @@ from ..spans import RowSpan, rows_zero
 from ..support import SOFTMAX_TYPES, BackendSupport, Reason, bias_thd_reasons
 from . import kernel_ops
 from .kernel_autograd import run_kernel
-from .varlen import VarlenCall, VarlenPlan, _valid_lengths, combine_rows, plan_varlen
+from .varlen import VarlenCall, VarlenPlan, _valid_lengths, plan_varlen
 
 
 class FusedAttention(BackendSupport):
@@ -154,9 +154,12 @@ class _CudnnKernel:
     """Argument translation for the cuDNN graph ops: ragged offsets from the physical offsets,
     per-sequence lengths from the valid ones; stats are [B, H, SQ, 1] float32.
 
-    One call (any gaps) returns zero-filled outputs that are used as they are. cuDNN may write
-    zeros over rows of sequences it runs with length 0, so several policies' calls get their
-    own outputs, combined row by row (one ``where`` per tensor)."""
+    The ops return zero-filled outputs, and a call leaves every row outside its own sequences
+    at 0 (gaps, the tail, and the rows of sequences it runs with length 0, which cuDNN may
+    write with zeros). So the calls of several policies, each into its own buffers, are
+    combined by a sum, exact where all parts but one hold 0: one vectorized pass per tensor and
+    no row owners. (A ``where`` over row owners, the earlier combine, was a broadcast kernel
+    that cost more than the attention itself on short sequences: benchmarks/results.)"""
 
     SANITIZE_GAPS = False
 
@@ -166,11 +169,7 @@ class _CudnnKernel:
         # a second cached graph per configuration, for a store of [B, H, SQ] floats).
         results = [kernel_ops.ops.cudnn_fwd(q, k, v, *_CudnnKernel._args(inp, plan, call), *features.cudnn_args())
                    for call in calls]
-        if len(results) == 1:
-            return results[0][0], [results[0][1]]
-        owner_q, _ = plan.owners(inp)
-        out = combine_rows(owner_q, [(call.policy, o) for call, (o, _) in zip(calls, results)])
-        return out, [s for _, s in results]
+        return _sum_parts([o for o, _ in results]), [s for _, s in results]
 
     @staticmethod
     def backward(dout, q, k, v, out, stats, features, need_dbias, inp, plan, calls):
@@ -180,12 +179,8 @@ class _CudnnKernel:
                  for call, st in zip(calls, stats)]
         dbias = grads[0][3] if need_dbias else None  # a bias never meets per-sequence policies
         # Each policy's call reduces the sink gradient over its own rows: the sum is the whole.
-        dsink = sum(g[4] for g in grads) if features.need_dsink else None
-        if len(grads) == 1:
-            return (*grads[0][:3], dbias, dsink)
-        owner_q, owner_kv = plan.owners(inp)
-        return (*(combine_rows(owner, [(call.policy, g[i]) for call, g in zip(calls, grads)])
-                  for i, owner in ((0, owner_q), (1, owner_kv), (2, owner_kv))), dbias, dsink)
+        dsink = _sum_parts([g[4] for g in grads]) if features.need_dsink else None
+        return (*(_sum_parts([g[i] for g in grads]) for i in range(3)), dbias, dsink)
 
     @staticmethod
     def _args(inp: AttentionInputs, plan: Optional[VarlenPlan], call: VarlenCall):
@@ -206,6 +201,15 @@ class _CudnnKernel:
         b = call.batch_size if call.batch_size is not None else pq.batch_size
         return (*call.offsets(plan), *call.lengths, b, pq.max_seqlen, pk.max_seqlen,
                 inp.softmax_scale, causal, left, right, bottom_right)
+
+
+def _sum_parts(parts: List[torch.Tensor]) -> torch.Tensor:
+    """The parts added into the first (each a fresh op output, so in place is safe); exact
+    where all parts but one hold 0."""
+    total = parts[0]
+    for part in parts[1:]:
+        total = total.add_(part)
+    return total
 
 
 def _dense_lengths(valid: Optional[torch.Tensor], b: int, s: int, device) -> torch.Tensor:
