@@ -18,7 +18,6 @@ import torch
 
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import backend_scope
-from transformer_engine.pytorch.attention.dot_product_attention import backends
 from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
 from transformer_engine.pytorch.attention.dot_product_attention.backends.unfused import UnfusedSpanKernel
 from transformer_engine.pytorch.attention.dot_product_attention.cp_kernels import KERNELS

@@ -70,7 +70,7 @@ def rows_zero(t: torch.Tensor, covered: torch.Tensor) -> torch.Tensor:
     return torch.where(covered.view(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=256)
 def step_spec(mask: StepMask) -> MaskSpec:
     """The mask policy of a span call: bottom-right causal with its left window, or full.
     Cached: a schedule asks for the same few masks on every step."""

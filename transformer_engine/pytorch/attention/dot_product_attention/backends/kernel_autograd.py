@@ -15,7 +15,7 @@ import torch
 
 from ..kernel_problem import KernelProblem, KernelRun, ScoreFeatures
 from ..params import AttentionInputs
-from .varlen import VarlenPlan, gap_guard, packed_rows, zero_spill_rows, zero_spill_rows_in_place
+from .varlen import VarlenPlan, gap_guard, zero_spill_rows, zero_spill_rows_in_place
 
 
 def _draw_rng(device: torch.device) -> torch.Tensor:
@@ -107,11 +107,11 @@ def module_problem(inp: AttentionInputs, plan: Optional[VarlenPlan]) -> KernelPr
             lengths = (_dense_lengths(inp.q_valid, b, sq, inp.q.device), _dense_lengths(inp.kv_valid, b, skv, inp.q.device))
         run = KernelRun(0, inp.mask, None, None, *lengths, b)
         return KernelProblem((run,), sq, skv, inp.softmax_scale, False, inp.same_lengths)
-    rows_q, rows_kv = packed_rows(inp)
+    pq, pk = inp.packed_q, inp.packed_kv
     # Several runs are combined by row owner (cuDNN); the plan makes them once, the backward reuses them.
     owners = partial(plan.owners, inp) if len(plan.calls) > 1 else None
-    return KernelProblem(plan.calls, inp.packed_q.max_seqlen, inp.packed_kv.max_seqlen, inp.softmax_scale, True,
-                         inp.same_lengths, rows_q, rows_kv, owners)
+    return KernelProblem(plan.calls, pq.max_seqlen, pk.max_seqlen, inp.softmax_scale, True, inp.same_lengths,
+                         (pq.cu_seqlens, pq.offsets), (pk.cu_seqlens, pk.offsets), owners)
 
 
 def _dense_lengths(valid: Optional[torch.Tensor], b: int, s: int, device) -> torch.Tensor:

@@ -47,18 +47,21 @@ class VarlenPlan:
 
 
 def plan_varlen(inp: AttentionInputs, always_lengths: bool = False) -> VarlenPlan:
-    """``always_lengths``: pass valid lengths even where the offsets bound them (no gaps, one
-    policy), for kernels that always take lengths (cuDNN); FA4 and FA3 then run without."""
+    """``always_lengths``: give the runs valid lengths even where the offsets bound them (no
+    gaps, one policy), for kernels that always take lengths (cuDNN); the FlashAttention
+    libraries run without them there."""
     pq, pk = inp.packed_q, inp.packed_kv
     policies = inp.policies
     spec = inp.mask if policies is None else policies.uniform_spec()
     gaps = pq.has_gaps or pk.has_gaps
-    b = pq.batch_size
+    b = pq.cu_seqlens.shape[0] - 1
     if spec is not None:
         if not gaps:
-            lengths = _valid_lengths(pq, pk) if always_lengths else (None, None)
-            return VarlenPlan(pq.cu_seqlens, pk.cu_seqlens, [KernelRun(0, spec, pq.cu_seqlens, pk.cu_seqlens, *lengths, b)], False)
-        return VarlenPlan(pq.offsets, pk.offsets, [KernelRun(0, spec, pq.offsets, pk.offsets, *_valid_lengths(pq, pk), b)], True)
+            len_q, len_kv = _valid_lengths(pq, pk) if always_lengths else (None, None)
+            return VarlenPlan(pq.cu_seqlens, pk.cu_seqlens, [KernelRun(0, spec, pq.cu_seqlens, pk.cu_seqlens, len_q, len_kv, b)],
+                              False)
+        len_q, len_kv = _valid_lengths(pq, pk)
+        return VarlenPlan(pq.offsets, pk.offsets, [KernelRun(0, spec, pq.offsets, pk.offsets, len_q, len_kv, b)], True)
     len_q, len_kv = _valid_lengths(pq, pk)
     if policies.sizes is not None and THD_POLICY_COMPACT.get("0") == "1":
         return VarlenPlan(pq.offsets, pk.offsets, _compacted_calls(policies, pq, pk, len_q, len_kv), gaps)
