@@ -1,5 +1,6 @@
-"""Which span kernel (:mod:`.spans`) context parallelism runs for a selected backend. Each
-backend's file holds its own implementation beside its module adapter and ops."""
+"""Which span kernel (:mod:`.spans`) context parallelism runs for a selected backend: the
+unfused reference's own, or :class:`.spans.SpanAdapter` over a backend's kernel interface
+(each defined in its backend's file)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The span interface every GPU backend and the unfused one implement for context parallelism
-(``UnfusedSpanKernel``, ``FA4SpanKernel``, ``CudnnSpanKernel``, each in its backend's file;
-``cp_kernels.KERNELS`` maps a selection to one).
+"""The span interface context parallelism calls (``cp_kernels.KERNELS`` maps a selection to
+one): :class:`SpanAdapter` over a backend's kernel interface (:mod:`.kernel_problem`; FA4 and
+cuDNN: ``FA4SpanKernel``, ``CudnnSpanKernel`` in their files), or the unfused reference's own
+``UnfusedSpanKernel``.
 
 Shape legend: TQ/TK = rows of the local q / kv tensors, B = sequences, H = query heads,
 HG = key/value heads, D/Dv = head dims.
@@ -20,8 +21,13 @@ Rows outside the spans: ``out`` 0, ``lse`` -inf, gradients 0. The backward takes
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Tuple
 
 import torch
+
+from .kernel_problem import NO_FEATURES, KernelProblem, KernelRun
+from .masks import AttnMaskType, MaskSpec
 
 
 @dataclass(frozen=True)
@@ -62,3 +68,40 @@ class StepMask:
 
 def rows_zero(t: torch.Tensor, covered: torch.Tensor) -> torch.Tensor:
     return torch.where(covered.view(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+@lru_cache(maxsize=256)
+def step_spec(mask: StepMask) -> MaskSpec:
+    """The mask policy of a span call: bottom-right causal with its left window, or full.
+    Cached: a schedule asks for the same few masks on every step."""
+    if mask.causal:
+        return MaskSpec(AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT, (mask.window_left, 0))
+    return MaskSpec(AttnMaskType.PADDING, (-1, -1))
+
+
+def span_problem(qs: RowSpan, ks: RowSpan, mask: StepMask, scale: float) -> KernelProblem:
+    """One span call as a one-run varlen problem: span starts as offsets, span lengths as
+    valid lengths. Rows outside the spans are zeroed by :class:`SpanAdapter` (``covered``)."""
+    run = KernelRun(0, step_spec(mask), qs.offsets, ks.offsets, qs.lengths, ks.lengths, qs.lengths.numel())
+    return KernelProblem((run,), qs.max_len, ks.max_len, scale, True)
+
+
+class SpanAdapter:
+    """The span interface over a backend's kernel interface (``kernel``: forward, backward,
+    stats_to_rows, stats_from_rows): rows outside the spans come out 0 (out, gradients) and
+    -inf (LSE) here, once for every backend."""
+
+    def __init__(self, kernel: Any):
+        self.kernel = kernel
+
+    def forward(self, q, k, v, qs: RowSpan, ks: RowSpan, mask: StepMask, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+        out, stats = self.kernel.forward(q, k, v, span_problem(qs, ks, mask, scale), NO_FEATURES, True)
+        lse = torch.where(qs.covered.view(1, -1), self.kernel.stats_to_rows(stats, qs), float("-inf"))
+        return rows_zero(out, qs.covered), lse
+
+    def backward(self, dout, q, k, v, out, lse, qs: RowSpan, ks: RowSpan, mask: StepMask, scale: float):
+        stats = self.kernel.stats_from_rows(lse, qs, q)
+        dout = dout if dout.stride() == out.stride() else dout.contiguous()
+        dq, dk, dv, _, _ = self.kernel.backward(dout, q, k, v, out, stats, span_problem(qs, ks, mask, scale), NO_FEATURES,
+                                                False)
+        return rows_zero(dq, qs.covered), rows_zero(dk, ks.covered), rows_zero(dv, ks.covered)

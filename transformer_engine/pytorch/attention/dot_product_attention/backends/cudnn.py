@@ -1,6 +1,7 @@
 """cuDNN 9 SDPA through nvidia-cudnn-frontend's graph API: the support declaration, the
-translation of a call into graph-op arguments (:class:`_CudnnKernel`), the registered ops
-``cudnn_fwd``/``cudnn_bwd``, and the graphs they build and cache.
+translation of a call into graph-op arguments (:class:`_CudnnKernel`, the kernel interface of
+:mod:`..kernel_problem`), the registered ops ``cudnn_fwd``/``cudnn_bwd``, and the graphs they
+build and cache.
 
 The cuDNN ops are functional and return zero-filled outputs: a call leaves its gaps and tail at
 0, but it may write zeros over rows of sequences it runs with length 0, so calls for several
@@ -15,12 +16,13 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..kernel_problem import KernelProblem, KernelRun, ScoreFeatures
 from ..params import AttentionInputs
-from ..spans import RowSpan, rows_zero
+from ..spans import RowSpan, SpanAdapter
 from ..support import SOFTMAX_TYPES, BackendSupport, Reason, bias_thd_reasons
 from . import kernel_ops
 from .kernel_autograd import run_kernel
-from .varlen import VarlenCall, VarlenPlan, _valid_lengths, plan_varlen
+from .varlen import plan_varlen
 
 
 class FusedAttention(BackendSupport):
@@ -60,7 +62,7 @@ class FusedAttention(BackendSupport):
 
     @staticmethod
     def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
-        return run_kernel(_CudnnKernel, inp, plan_varlen(inp) if inp.is_thd else None, training)
+        return run_kernel(_CudnnKernel, inp, plan_varlen(inp, always_lengths=True) if inp.is_thd else None, training)
 
 
 SINK_MIN_CUDNN = 91300  # sink_token in sdpa and sdpa_backward
@@ -151,12 +153,12 @@ def _cudnn_feature_reasons(params) -> List[Reason]:
 
 
 class _CudnnKernel:
-    """Argument translation for the cuDNN graph ops: ragged offsets from the physical offsets,
-    per-sequence lengths from the valid ones; stats are [B, H, SQ, 1] float32.
+    """The kernel interface (:mod:`..kernel_problem`) on the cuDNN graph ops: run offsets as
+    ragged offsets, valid lengths as per-sequence lengths; stats are [B, H, SQ, 1] float32.
 
     The ops return zero-filled outputs, and a call leaves every row outside its own sequences
     at 0 (gaps, the tail, and the rows of sequences it runs with length 0, which cuDNN may
-    write with zeros). So the calls of several policies, each into its own buffers, are
+    write with zeros). So the runs of several policies, each into its own buffers, are
     combined by a sum, exact where all parts but one hold 0: one vectorized pass per tensor and
     no row owners. (A ``where`` over row owners, the earlier combine, was a broadcast kernel
     that cost more than the attention itself on short sequences: benchmarks/results.)"""
@@ -164,43 +166,40 @@ class _CudnnKernel:
     SANITIZE_GAPS = False
 
     @staticmethod
-    def forward(q, k, v, features, inp, plan, calls, need_stats):
+    def forward(q, k, v, problem: KernelProblem, features: ScoreFeatures, need_stats: bool):
         # need_stats is not used: the graphs always generate stats (an inference variant would be
         # a second cached graph per configuration, for a store of [B, H, SQ] floats).
-        results = [kernel_ops.ops.cudnn_fwd(q, k, v, *_CudnnKernel._args(inp, plan, call), *features.cudnn_args())
-                   for call in calls]
+        results = [kernel_ops.ops.cudnn_fwd(q, k, v, *_run_args(problem, run), *features.cudnn_args())
+                   for run in problem.runs]
         return _sum_parts([o for o, _ in results]), [s for _, s in results]
 
     @staticmethod
-    def backward(dout, q, k, v, out, stats, features, need_dbias, inp, plan, calls):
+    def backward(dout, q, k, v, out, stats, problem: KernelProblem, features: ScoreFeatures, need_dbias: bool):
         det = torch.are_deterministic_algorithms_enabled()
-        grads = [kernel_ops.ops.cudnn_bwd(dout, q, k, v, out, st, *_CudnnKernel._args(inp, plan, call), det,
+        grads = [kernel_ops.ops.cudnn_bwd(dout, q, k, v, out, st, *_run_args(problem, run), det,
                                           *features.cudnn_args(), need_dbias, features.need_dsink)
-                 for call, st in zip(calls, stats)]
+                 for run, st in zip(problem.runs, stats)]
         dbias = grads[0][3] if need_dbias else None  # a bias never meets per-sequence policies
-        # Each policy's call reduces the sink gradient over its own rows: the sum is the whole.
+        # Each policy's run reduces the sink gradient over its own rows: the sum is the whole.
         dsink = _sum_parts([g[4] for g in grads]) if features.need_dsink else None
         return (*(_sum_parts([g[i] for g in grads]) for i in range(3)), dbias, dsink)
 
     @staticmethod
-    def _args(inp: AttentionInputs, plan: Optional[VarlenPlan], call: VarlenCall):
-        causal = call.spec.mask_type.is_causal
-        left, right = call.spec.window
-        # Where every sequence has sq == skv the two alignments coincide; top-left is the one cuDNN
-        # combines with bias, ALiBi and dropout.
-        bottom_right = call.spec.mask_type.bottom_right and call.spec.has_band and not inp.same_lengths
-        if plan is None:
-            b, sq, skv = inp.q.shape[0], inp.q.shape[1], inp.k.shape[1]
-            lens = (None, None)
-            if inp.q_valid is not None or inp.kv_valid is not None:
-                lens = (_dense_lengths(inp.q_valid, b, sq, inp.q.device), _dense_lengths(inp.kv_valid, b, skv, inp.q.device))
-            return (None, None, *lens, b, sq, skv, inp.softmax_scale, causal, left, right, bottom_right)
-        pq, pk = inp.packed_q, inp.packed_kv
-        if call.lengths is None:
-            call.lengths = (call.seqused_q, call.seqused_kv) if call.seqused_q is not None else _valid_lengths(pq, pk)
-        b = call.batch_size if call.batch_size is not None else pq.batch_size
-        return (*call.offsets(plan), *call.lengths, b, pq.max_seqlen, pk.max_seqlen,
-                inp.softmax_scale, causal, left, right, bottom_right)
+    def stats_to_rows(stats, qs: RowSpan) -> torch.Tensor:
+        """[H, TQ]: each row's stat, gathered from [B, H, SQ, 1] by (sequence, position in its
+        span); rows outside the spans get a clamped neighbour (the caller masks them)."""
+        b, h, sq, _ = stats[0].shape
+        flat = stats[0].view(b, h, sq).permute(1, 0, 2).reshape(h, b * sq)
+        return flat[:, qs.seq * sq + qs.pos.clamp(0, sq - 1)]
+
+    @staticmethod
+    def stats_from_rows(lse: torch.Tensor, qs: RowSpan, q: torch.Tensor) -> list:
+        """The inverse gather: [H, TQ] -> [B, H, SQ, 1] by the spans' starts (sync-free)."""
+        b, sq = qs.lengths.numel(), max(qs.max_len, 1)
+        h = q.shape[1]
+        index = qs.offsets.long()[:-1].view(b, 1) + torch.arange(sq, device=q.device).view(1, sq)
+        index = index.clamp(0, q.shape[0] - 1)
+        return [lse[:, index.flatten()].view(h, b, sq).permute(1, 0, 2).reshape(*stats_shape(q, b, sq)).contiguous()]
 
 
 def _sum_parts(parts: List[torch.Tensor]) -> torch.Tensor:
@@ -212,10 +211,19 @@ def _sum_parts(parts: List[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def _dense_lengths(valid: Optional[torch.Tensor], b: int, s: int, device) -> torch.Tensor:
-    if valid is None:
-        return torch.full((b,), s, dtype=torch.int32, device=device)
-    return valid.sum(dim=1, dtype=torch.int32)
+def _run_args(problem: KernelProblem, run: KernelRun) -> tuple:
+    """cudnn_fwd's and cudnn_bwd's arguments from offsets_q to bottom_right for one run."""
+    causal = run.spec.mask_type.is_causal
+    left, right = run.spec.window
+    # Where every sequence has sq == skv the two alignments coincide; top-left is the one cuDNN
+    # combines with bias, ALiBi and dropout.
+    bottom_right = run.spec.mask_type.bottom_right and run.spec.has_band and not problem.same_lengths
+    return (run.offsets_q, run.offsets_kv, run.seqused_q, run.seqused_kv, run.batch_size, problem.max_seqlen_q,
+            problem.max_seqlen_kv, problem.softmax_scale, causal, left, right, bottom_right)
+
+
+# The span interface (context parallelism) on this kernel: spans.SpanAdapter.
+CudnnSpanKernel = SpanAdapter(_CudnnKernel)
 
 
 # ------------------------------------------------------------------ the registered ops
@@ -631,45 +639,3 @@ def _build_bwd(handle, q, k, v, o, do, dq, dk, dv, grads, b, sq, skv, scale, ban
     for name, gt, ref, s_max in (("dq", dq_t, dq, sq), ("dk", dk_t, dk, skv), ("dv", dv_t, dv, skv)):
         _declare_output(g, gt, name, ref, s_max, b, varlen)
     return _finish(g)
-
-
-# ------------------------------------------------------------ the span interface (context parallelism)
-
-
-class CudnnSpanKernel:
-    """cuDNN graph SDPA: span starts as ragged offsets, lengths as per-sequence lengths. Its
-    stats are [B, H, SQ, 1] by position in the span; they are moved to/from [H, TQ] by a
-    gather (sync-free)."""
-
-    @staticmethod
-    def _args(qs, ks, mask, scale):
-        left, right = (mask.window_left, 0) if mask.causal else (-1, -1)
-        # Bottom-right: the diagonal sits at the span's last key (spans of q and kv differ).
-        return (qs.offsets, ks.offsets, qs.lengths, ks.lengths, qs.lengths.numel(), qs.max_len, ks.max_len, scale,
-                mask.causal, left, right, True)
-
-    @staticmethod
-    def _stat_index(qs: RowSpan, b: int, sq: int) -> torch.Tensor:
-        """[TQ] flat index into [B, SQ] of each row's stat (clamped where not covered)."""
-        return qs.seq * sq + qs.pos.clamp(0, sq - 1)
-
-    @classmethod
-    def forward(cls, q, k, v, qs, ks, mask, scale):
-        out, stats = kernel_ops.ops.cudnn_fwd(q, k, v, *cls._args(qs, ks, mask, scale))
-        b, h, sq, _ = stats.shape
-        flat = stats.view(b, h, sq).permute(1, 0, 2).reshape(h, b * sq)
-        lse = flat[:, cls._stat_index(qs, b, sq)]
-        lse = torch.where(qs.covered.view(1, -1), lse, float("-inf"))
-        return rows_zero(out, qs.covered), lse
-
-    @classmethod
-    def backward(cls, dout, q, k, v, out, lse, qs, ks, mask, scale):
-        b, sq = qs.lengths.numel(), max(qs.max_len, 1)
-        h = q.shape[1]
-        index = qs.offsets.long()[:-1].view(b, 1) + torch.arange(sq, device=q.device).view(1, sq)
-        index = index.clamp(0, q.shape[0] - 1)
-        stats = lse[:, index.flatten()].view(h, b, sq).permute(1, 0, 2).reshape(*stats_shape(q, b, sq)).contiguous()
-        dout = dout if dout.stride() == out.stride() else dout.contiguous()
-        dq, dk, dv, *_ = kernel_ops.ops.cudnn_bwd(dout, q, k, v, out, stats, *cls._args(qs, ks, mask, scale),
-                                      torch.are_deterministic_algorithms_enabled())
-        return rows_zero(dq, qs.covered), rows_zero(dk, ks.covered), rows_zero(dv, ks.covered)

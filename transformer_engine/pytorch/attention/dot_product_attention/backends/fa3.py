@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import torch
 
+from ..kernel_problem import KernelRun
 from ..params import AttentionInputs
 from .flash_common import FlashAttention, fa_mask_args, first_output
-from .varlen import VarlenCall, VarlenPlan, guard_library_inputs, plan_varlen, run_library_varlen
+from .varlen import VarlenPlan, guard_library_inputs, plan_varlen, run_library_varlen
 
 
 class FlashAttentionV3(FlashAttention):
@@ -34,12 +35,12 @@ class FlashAttentionV3(FlashAttention):
         return run_library_varlen(guard_library_inputs(inp, plan, FlashAttentionV3), plan, _fa3_varlen_call)
 
 
-def _fa3_varlen_call(q, k, v, inp: AttentionInputs, plan: VarlenPlan, call: VarlenCall):
+def _fa3_varlen_call(q, k, v, inp: AttentionInputs, plan: VarlenPlan, call: KernelRun):
     import flash_attn_interface as fa3
 
     causal, left, right = fa_mask_args(call.spec)
     return first_output(fa3.flash_attn_varlen_func(
-        q, k, v, *call.offsets(plan), inp.packed_q.max_seqlen, inp.packed_kv.max_seqlen,
+        q, k, v, call.offsets_q, call.offsets_kv, inp.packed_q.max_seqlen, inp.packed_kv.max_seqlen,
         seqused_q=call.seqused_q, seqused_k=call.seqused_kv, softmax_scale=inp.softmax_scale,
         causal=causal, window_size=(left, right), deterministic=torch.are_deterministic_algorithms_enabled(),
     ))

@@ -1,5 +1,6 @@
 """flash-attn-4 (``flash_attn.cute``): its support declaration, the translation of a call into
-its arguments (:class:`_FA4Kernel`) and the registered ops around the library.
+its arguments (:class:`_FA4Kernel`, the kernel interface of :mod:`..kernel_problem`) and the
+registered ops around the library.
 
 The FA4 ops write into caller-provided buffers (``out``/``lse``, ``dq``/``dk``/``dv``): FA4 leaves
 the rows it skips unwritten, so the calls for several mask policies share one set of buffers
@@ -15,14 +16,14 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..masks import AttnMaskType, MaskSpec
+from ..kernel_problem import KernelProblem, KernelRun, ScoreFeatures
 from ..params import AttentionInputs
-from ..spans import StepMask, rows_zero
+from ..spans import RowSpan, SpanAdapter
 from ..support import SOFTMAX_TYPES, Reason
 from . import kernel_ops
 from .flash_common import FlashAttention, fa_mask_args
 from .kernel_autograd import run_kernel
-from .varlen import VarlenCall, VarlenPlan, plan_varlen
+from .varlen import plan_varlen
 
 
 _INTERFACE = "flash_attn.cute.interface"
@@ -221,86 +222,72 @@ class FlashAttentionV4(FlashAttention):
 
 
 class _FA4Kernel:
-    """Argument translation for flash_attn.cute (FA4): physical offsets as cu_seqlens, valid
-    lengths as seqused_q/k; the log-sum-exp is [H, T] (varlen) or [B, H, S] (dense).
+    """The kernel interface (:mod:`..kernel_problem`) on flash_attn.cute (FA4): run offsets as
+    cu_seqlens, valid lengths as seqused_q/k; the log-sum-exp is [H, T] (varlen) or [B, H, S]
+    (dense).
 
-    FA4 leaves the rows it skips unwritten in the forward and in dQ/dK/dV, so the calls of all
+    FA4 leaves the rows it skips unwritten in the forward and in dQ/dK/dV, so the runs of all
     policies write their own rows of one buffer each, and only the rows no sequence owns (gaps,
-    the tail) are zeroed, by ``zero_gap_rows``: no memset of the whole buffer, no combining pass
-    (the GPU tests assert those zeros, and that skipped rows of other policies stay 0)."""
+    the tail) are zeroed, by ``zero_gap_rows`` (where the problem names them: context
+    parallelism zeroes its uncovered rows itself): no memset of the whole buffer, no combining
+    pass (the GPU tests assert those zeros, and that skipped rows of other policies stay 0)."""
 
     SANITIZE_GAPS = True
 
     @staticmethod
-    def forward(q, k, v, features, inp, plan, calls, need_lse):  # features: none declared (no bias, ALiBi, dropout)
+    def forward(q, k, v, problem: KernelProblem, features: ScoreFeatures, need_lse: bool):
+        """(out, [lse or None]); features: FA4 declares none but the sink."""
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         lse = None
         if need_lse:  # without it FA4 runs its inference variant (no LSE store)
-            shape = (q.shape[-2], q.shape[0]) if plan is not None else (q.shape[0], q.shape[2], q.shape[1])
+            shape = (q.shape[-2], q.shape[0]) if problem.varlen else (q.shape[0], q.shape[2], q.shape[1])
             lse = torch.empty(shape, dtype=torch.float32, device=q.device)
-        for call in calls:
+        for run in problem.runs:
             # The sink is always passed (None without one): a traced custom op needs every
             # argument its schema names, the mutated ones above all (dsink in the backward).
-            kernel_ops.ops.fa4_fwd(q, k, v, out, lse, *_FA4Kernel._varlen(inp, plan, call), inp.softmax_scale,
-                                   *fa_mask_args(call.spec), learnable_sink=features.sink)
-        if plan is not None:
-            kernel_ops.ops.zero_gap_rows(out, inp.packed_q.cu_seqlens, plan.offsets_q, -1)
+            kernel_ops.ops.fa4_fwd(q, k, v, out, lse, *_run_args(problem, run), problem.softmax_scale, *_mask_args(run),
+                                   learnable_sink=features.sink)
+        if problem.rows_q is not None:
+            kernel_ops.ops.zero_gap_rows(out, *problem.rows_q, -1)
         return out, [lse]
 
     @staticmethod
-    def backward(dout, q, k, v, out, stats, features, need_dbias, inp, plan, calls):
+    def backward(dout, q, k, v, out, stats, problem: KernelProblem, features: ScoreFeatures, need_dbias: bool):
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-        # Each policy's call adds the sum over its own rows into dsink (FA4 reduces
+        # Each policy's run adds the sum over its own rows into dsink (FA4 reduces
         # -exp(sink - lse) * rowsum(dO * O) over the rows it runs).
         dsink = None if features.sink is None else torch.zeros_like(features.sink)
         det = torch.are_deterministic_algorithms_enabled()
-        for call in calls:
-            args = (dout, q, k, v, out, stats[0], dq, dk, dv, *_FA4Kernel._varlen(inp, plan, call), inp.softmax_scale,
-                    *fa_mask_args(call.spec), det)
+        for run in problem.runs:
+            args = (dout, q, k, v, out, stats[0], dq, dk, dv, *_run_args(problem, run), problem.softmax_scale,
+                    *_mask_args(run), det)
             if dsink is None:
                 kernel_ops.ops.fa4_bwd(*args)
             else:
                 kernel_ops.ops.fa4_bwd_sink(*args, features.sink, dsink)
-        if plan is not None:
-            kernel_ops.ops.zero_gap_rows_qkv(dq, dk, dv, inp.packed_q.cu_seqlens, plan.offsets_q,
-                                             inp.packed_kv.cu_seqlens, plan.offsets_kv, -1)
+        if problem.rows_q is not None:
+            kernel_ops.ops.zero_gap_rows_qkv(dq, dk, dv, *problem.rows_q, *problem.rows_kv, -1)
         return dq, dk, dv, None, dsink
 
     @staticmethod
-    def _varlen(inp: AttentionInputs, plan: Optional[VarlenPlan], call: VarlenCall):
-        if plan is None:
-            return None, None, None, None, inp.q.shape[1], inp.k.shape[1]
-        return (*call.offsets(plan), call.seqused_q, call.seqused_kv,
-                inp.packed_q.max_seqlen, inp.packed_kv.max_seqlen)
-
-
-# ------------------------------------------------------------ the span interface (context parallelism)
-
-
-def _fa_window(mask: StepMask) -> Tuple[bool, int, int]:
-    spec = MaskSpec(AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT if mask.causal else AttnMaskType.PADDING,
-                    (mask.window_left, 0) if mask.causal else (-1, -1))
-    return fa_mask_args(spec)
-
-
-class FA4SpanKernel:
-    """flash_attn.cute through the registered ops: span starts as ``cu_seqlens``, lengths as
-    ``seqused``; its varlen LSE is [H, T] by physical row, which is this interface's layout.
-    FA4 leaves skipped rows unwritten, so they are set to 0 / -inf here."""
+    def stats_to_rows(stats, qs: RowSpan) -> torch.Tensor:
+        """The varlen LSE is already [H, TQ] by physical row."""
+        return stats[0]
 
     @staticmethod
-    def forward(q, k, v, qs, ks, mask, scale):
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
-        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-        kernel_ops.ops.fa4_fwd(q, k, v, out, lse, qs.offsets, ks.offsets, qs.lengths, ks.lengths, qs.max_len, ks.max_len, scale,
-                    *_fa_window(mask))
-        lse = torch.where(qs.covered.view(1, -1), lse, float("-inf"))
-        return rows_zero(out, qs.covered), lse
+    def stats_from_rows(lse: torch.Tensor, qs: RowSpan, q: torch.Tensor) -> list:
+        return [lse.contiguous()]  # the kernel reads the rows it runs; -inf elsewhere is never read
 
-    @staticmethod
-    def backward(dout, q, k, v, out, lse, qs, ks, mask, scale):
-        dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-        # The kernel reads lse of covered rows only; -inf elsewhere is never read.
-        kernel_ops.ops.fa4_bwd(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, qs.offsets, ks.offsets, qs.lengths, ks.lengths,
-                    qs.max_len, ks.max_len, scale, *_fa_window(mask), torch.are_deterministic_algorithms_enabled())
-        return rows_zero(dq, qs.covered), rows_zero(dk, ks.covered), rows_zero(dv, ks.covered)
+
+def _run_args(problem: KernelProblem, run: KernelRun) -> tuple:
+    """cu_seqlens_q/kv, seqused_q/kv, max_seqlen_q/kv of one run (fa4_fwd's and fa4_bwd's order)."""
+    return (run.offsets_q, run.offsets_kv, run.seqused_q, run.seqused_kv, problem.max_seqlen_q, problem.max_seqlen_kv)
+
+
+def _mask_args(run: KernelRun) -> Tuple[bool, int, int]:
+    """causal, window_left, window_right of one run: the mask arguments of every FA4 op call."""
+    return fa_mask_args(run.spec)
+
+
+# The span interface (context parallelism) on this kernel: spans.SpanAdapter.
+FA4SpanKernel = SpanAdapter(_FA4Kernel)

@@ -1,38 +1,20 @@
-"""The module's autograd around the kernels that write into caller buffers (FA4, cuDNN).
-
-A kernel adapter (``_FA4Kernel``, ``_CudnnKernel``) has ``forward(q, k, v, features, inp,
-plan, calls, need_stats) -> (out, stats)`` and ``backward(dout, q, k, v, out, stats, features,
-need_dbias, inp, plan, calls) -> (dq, dk, dv, dbias, dsink)``; :func:`run_kernel` runs one with
-the NaN guard, the bias and sink in the kernels' form, and dropout's Philox state.
+"""The module's autograd around the kernels that write into caller buffers (FA4, cuDNN), on the
+kernel interface of :mod:`..kernel_problem`: :func:`run_kernel` describes the prepared call as
+one :class:`KernelProblem` (runs from the THD plan) and runs the backend's ``forward`` and
+``backward`` with the NaN guard, the bias and sink in the kernels' form, and dropout's Philox
+state.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import torch
 
+from ..kernel_problem import KernelProblem, KernelRun, ScoreFeatures
 from ..params import AttentionInputs
-from .varlen import VarlenCall, VarlenPlan, _gap_guard, _zero_spill_rows, _zero_spill_rows_in_place
-
-
-@dataclass
-class ScoreFeatures:
-    """What a kernel adds on the way from scores to output: a post-scale ``bias`` (already in
-    the inputs' dtype), ALiBi, dropout with its Philox ``rng`` (int64 [seed, offset], drawn
-    once per forward from torch's generator and reused by the backward, so both see one mask),
-    and the attention ``sink`` logits (float32 [H]; off-by-one passes zeros)."""
-
-    bias: Optional[torch.Tensor] = None
-    alibi: bool = False
-    dropout_p: float = 0.0
-    rng: Optional[torch.Tensor] = None
-    sink: Optional[torch.Tensor] = None
-    need_dsink: bool = False  # backward only: whether the sink's gradient is wanted
-
-    def cudnn_args(self) -> tuple:
-        return self.bias, self.rng, self.alibi, self.dropout_p, self.sink
+from .varlen import VarlenPlan, gap_guard, zero_spill_rows, zero_spill_rows_in_place
 
 
 def _draw_rng(device: torch.device) -> torch.Tensor:
@@ -44,12 +26,11 @@ def _draw_rng(device: torch.device) -> torch.Tensor:
 @dataclass
 class KernelCall:
     """The non-tensor half of one kernel run: who translates the arguments (``kernel``), the
-    inputs and THD plan, the NaN guard mode, and the score features' flags. One object, so the
+    problem, the NaN guard mode, and the score features' flags. One object, so the
     autograd.Function gets five arguments instead of eleven (each costs host time in apply)."""
 
     kernel: Any
-    inp: AttentionInputs
-    plan: Optional[VarlenPlan]
+    problem: KernelProblem
     guard: str
     need_stats: bool
     alibi: bool
@@ -58,10 +39,10 @@ class KernelCall:
     def forward(self, q, k, v, bias, sink):
         """(q, k, v as the kernel read them, out, rng, stats)."""
         if self.guard == "copy":
-            q, k, v = _zero_spill_rows(self.inp, *(t.clone() for t in (q, k, v)))
+            q, k, v = zero_spill_rows(self.problem.rows_q, self.problem.rows_kv, *(t.clone() for t in (q, k, v)))
         rng = _draw_rng(q.device) if self.dropout_p > 0 else None
         features = ScoreFeatures(bias, self.alibi, self.dropout_p, rng, sink)
-        out, stats = self.kernel.forward(q, k, v, features, self.inp, self.plan, _calls(self.inp, self.plan), self.need_stats)
+        out, stats = self.kernel.forward(q, k, v, self.problem, features, self.need_stats)
         return q, k, v, out, rng, stats
 
 
@@ -82,23 +63,24 @@ class _KernelAttention(torch.autograd.Function):
         call = ctx.call
         dout = dout if dout.stride() == out.stride() else dout.contiguous()
         features = ScoreFeatures(bias, call.alibi, call.dropout_p, rng, sink, need_dsink=ctx.needs_input_grad[4])
-        dq, dk, dv, dbias, dsink = call.kernel.backward(dout, q, k, v, out, stats, features, ctx.needs_input_grad[3],
-                                                        call.inp, call.plan, _calls(call.inp, call.plan))
+        dq, dk, dv, dbias, dsink = call.kernel.backward(dout, q, k, v, out, stats, call.problem, features,
+                                                        ctx.needs_input_grad[3])
         if not ctx.needs_input_grad[4]:
             dsink = None
         return dq, dk, dv, dbias, dsink, None  # nothing for ``call``
 
 
 def run_kernel(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan], training: bool) -> torch.Tensor:
-    guard = _gap_guard(plan, kernel)
+    guard = gap_guard(plan, kernel)
     if guard == "inplace":
-        _zero_spill_rows_in_place(inp)
+        zero_spill_rows_in_place(inp)
     bias = _kernel_bias(inp)
     # The sink logits in float32 (what FA4 and cuDNN take), [H]; the cast keeps the gradient path.
     sink = None if inp.softmax_type == "vanilla" else inp.softmax_offset.reshape(-1).float().contiguous()
     # Without gradients FA4 may skip its log-sum-exp (``needs_input_grad`` ignores no_grad).
     need_stats = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (inp.q, inp.k, inp.v, bias, sink))
-    call = KernelCall(kernel, inp, plan, guard, need_stats, inp.bias_type == "alibi", inp.dropout_p if training else 0.0)
+    call = KernelCall(kernel, module_problem(inp, plan), guard, need_stats, inp.bias_type == "alibi",
+                      inp.dropout_p if training else 0.0)
     if not need_stats:  # nothing to differentiate: skip autograd.Function.apply (~10 us of host time)
         return call.forward(inp.q, inp.k, inp.v, bias, sink)[3]
     return _KernelAttention.apply(inp.q, inp.k, inp.v, bias, sink, call)
@@ -115,5 +97,22 @@ def _kernel_bias(inp: AttentionInputs) -> Optional[torch.Tensor]:
     return bias.contiguous()
 
 
-def _calls(inp: AttentionInputs, plan: Optional[VarlenPlan]) -> List[VarlenCall]:
-    return plan.calls if plan is not None else [VarlenCall(0, inp.mask, None, None)]
+def module_problem(inp: AttentionInputs, plan: Optional[VarlenPlan]) -> KernelProblem:
+    """The prepared call as a kernel problem: the plan's runs (THD) or one dense run."""
+    if plan is None:
+        b, sq, skv = inp.q.shape[0], inp.q.shape[1], inp.k.shape[1]
+        lengths = (None, None)
+        if inp.q_valid is not None or inp.kv_valid is not None:
+            lengths = (_dense_lengths(inp.q_valid, b, sq, inp.q.device), _dense_lengths(inp.kv_valid, b, skv, inp.q.device))
+        run = KernelRun(0, inp.mask, None, None, *lengths, b)
+        return KernelProblem((run,), sq, skv, inp.softmax_scale, False, inp.same_lengths)
+    pq, pk = inp.packed_q, inp.packed_kv
+    return KernelProblem(plan.calls, pq.max_seqlen, pk.max_seqlen, inp.softmax_scale, True, inp.same_lengths,
+                         (pq.cu_seqlens, pq.offsets), (pk.cu_seqlens, pk.offsets))
+
+
+def _dense_lengths(valid: Optional[torch.Tensor], b: int, s: int, device) -> torch.Tensor:
+    """[B] int32 valid lengths of a dense batch from its [B, S] mask of valid positions."""
+    if valid is None:
+        return torch.full((b,), s, dtype=torch.int32, device=device)
+    return valid.sum(dim=1, dtype=torch.int32)

@@ -5,7 +5,7 @@ Packed (THD) batches reach every GPU library the same way (:class:`VarlenPlan`):
 offsets as ``cu_seqlens``, valid lengths as per-sequence lengths (``seqused``), and one call per
 live mask policy in which the other policies' sequences have length 0; with
 NVTE_THD_POLICY_COMPACT=1 and policy sizes known from shapes, each call instead gets only its
-own sequences (gathered offsets and lengths: ``VarlenCall.offsets``/``batch_size``). Rows no
+own sequences (gathered offsets and lengths: a :class:`KernelRun` of fewer sequences). Rows no
 call owns (gaps between sequences, the tail, other policies' rows) come out exactly 0, forward
 and backward.
 """
@@ -20,7 +20,7 @@ import torch
 
 from ..environment import SANITIZE_GAPS, THD_POLICY_COMPACT, compiling
 from ..gap_rows import FA4_MAX_TILE_ROWS
-from ..masks import MaskSpec
+from ..kernel_problem import KernelRun, PackedRows
 from ..params import AttentionInputs
 from ..thd import PackedSeqs
 from . import kernel_ops
@@ -28,64 +28,32 @@ from . import kernel_ops
 
 
 @dataclass
-class VarlenCall:
-    """One kernel call: its mask policy, and per-sequence valid lengths (None = from cu_seqlens).
-
-    A compacted call (``offsets_q`` set) runs only its policy's sequences: its own start offsets
-    ([n + 1], gathered from the batch's) and lengths ([n]), so the kernel's grid covers n
-    sequences instead of the batch."""
-
-    policy: int
-    spec: MaskSpec
-    seqused_q: Optional[torch.Tensor]
-    seqused_kv: Optional[torch.Tensor]
-    # (len_q, len_kv) for kernels that always take lengths (cuDNN), made once per forward and
-    # reused by the backward.
-    lengths: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-    offsets_q: Optional[torch.Tensor] = None
-    offsets_kv: Optional[torch.Tensor] = None
-
-    def offsets(self, plan: "VarlenPlan") -> Tuple[torch.Tensor, torch.Tensor]:
-        """The start offsets this call's kernel takes as cu_seqlens (q, kv)."""
-        if self.offsets_q is not None:
-            return self.offsets_q, self.offsets_kv
-        return plan.offsets_q, plan.offsets_kv
-
-    @property
-    def batch_size(self) -> Optional[int]:
-        """Sequences the call runs when compacted, else None (the batch's)."""
-        return None if self.offsets_q is None else self.offsets_q.shape[0] - 1
-
-
-@dataclass
 class VarlenPlan:
     """How a packed batch maps onto varlen kernel calls: the batch's physical offsets and one
-    call per live policy. A call passes these offsets unless it is compacted (then it carries
-    its own; use ``call.offsets(plan)``)."""
+    run per live policy (each carries the offsets it passes: these, or, compacted, its own)."""
 
     offsets_q: torch.Tensor
     offsets_kv: torch.Tensor
-    calls: List[VarlenCall]
+    calls: List[KernelRun]
     has_gaps: bool
-    # The row owners (q, kv) of several policies' calls, made once per forward by ``owners``
-    # and reused by the backward (each is a handful of launches).
-    row_owners: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-
-    def owners(self, inp: AttentionInputs) -> Tuple[torch.Tensor, torch.Tensor]:
-        if self.row_owners is None:
-            self.row_owners = _owners(inp)
-        return self.row_owners
 
 
-def plan_varlen(inp: AttentionInputs) -> VarlenPlan:
+def plan_varlen(inp: AttentionInputs, always_lengths: bool = False) -> VarlenPlan:
+    """``always_lengths``: give the runs valid lengths even where the offsets bound them (no
+    gaps, one policy), for kernels that always take lengths (cuDNN); the FlashAttention
+    libraries run without them there."""
     pq, pk = inp.packed_q, inp.packed_kv
     policies = inp.policies
     spec = inp.mask if policies is None else policies.uniform_spec()
     gaps = pq.has_gaps or pk.has_gaps
+    b = pq.cu_seqlens.shape[0] - 1
     if spec is not None:
         if not gaps:
-            return VarlenPlan(pq.cu_seqlens, pk.cu_seqlens, [VarlenCall(0, spec, None, None)], False)
-        return VarlenPlan(pq.offsets, pk.offsets, [VarlenCall(0, spec, *_valid_lengths(pq, pk))], True)
+            len_q, len_kv = _valid_lengths(pq, pk) if always_lengths else (None, None)
+            return VarlenPlan(pq.cu_seqlens, pk.cu_seqlens, [KernelRun(0, spec, pq.cu_seqlens, pk.cu_seqlens, len_q, len_kv, b)],
+                              False)
+        len_q, len_kv = _valid_lengths(pq, pk)
+        return VarlenPlan(pq.offsets, pk.offsets, [KernelRun(0, spec, pq.offsets, pk.offsets, len_q, len_kv, b)], True)
     len_q, len_kv = _valid_lengths(pq, pk)
     if policies.sizes is not None and THD_POLICY_COMPACT.get("0") == "1":
         return VarlenPlan(pq.offsets, pk.offsets, _compacted_calls(policies, pq, pk, len_q, len_kv), gaps)
@@ -95,11 +63,11 @@ def plan_varlen(inp: AttentionInputs) -> VarlenPlan:
         used_q = torch.where(mine, len_q, 0)
         # One tensor for both sides when the lengths are one tensor (a launch saved per policy).
         used_kv = used_q if len_kv is len_q else torch.where(mine, len_kv, 0)
-        calls.append(VarlenCall(p, policies.specs[p], used_q, used_kv))
+        calls.append(KernelRun(p, policies.specs[p], pq.offsets, pk.offsets, used_q, used_kv, b))
     return VarlenPlan(pq.offsets, pk.offsets, calls, gaps)
 
 
-def _compacted_calls(policies, pq: PackedSeqs, pk: PackedSeqs, len_q, len_kv) -> List[VarlenCall]:
+def _compacted_calls(policies, pq: PackedSeqs, pk: PackedSeqs, len_q, len_kv) -> List[KernelRun]:
     """One call per live policy over only its sequences, in batch order, sizes from shapes.
 
     ``nonzero_static`` finds a policy's sequences on the device with a size known on the host
@@ -118,7 +86,7 @@ def _compacted_calls(policies, pq: PackedSeqs, pk: PackedSeqs, len_q, len_kv) ->
         offsets_kv = offsets_q if pk.offsets is pq.offsets else pk.offsets[starts]
         used_q = lengths_q[ids]
         used_kv = used_q if len_kv is len_q else lengths_kv[ids]
-        calls.append(VarlenCall(p, policies.specs[p], used_q, used_kv, offsets_q=offsets_q, offsets_kv=offsets_kv))
+        calls.append(KernelRun(p, policies.specs[p], offsets_q, offsets_kv, used_q, used_kv, policies.sizes[p]))
     return calls
 
 
@@ -172,7 +140,7 @@ class _MaskRowGrad(torch.autograd.Function):
         return torch.where(keep.view(-1, *([1] * (grad.dim() - 1))), grad, 0), None
 
 
-def _gap_guard(plan: Optional[VarlenPlan], kernel) -> str:
+def gap_guard(plan: Optional[VarlenPlan], kernel) -> str:
     """How the NaN guard of FA4 (and FA3) runs for this call: "inplace" (default), "copy", "off".
 
     FA4 loads whole tiles, so the rows just past a sequence end enter its products with weight
@@ -195,35 +163,39 @@ def _gap_guard(plan: Optional[VarlenPlan], kernel) -> str:
 _SANITIZE_GAPS = SANITIZE_GAPS
 
 
-def _zero_spill_rows(inp: AttentionInputs, q, k, v):
+def packed_rows(inp: AttentionInputs) -> Tuple[PackedRows, PackedRows]:
+    """(cu_seqlens, slot offsets) of q's and kv's packed rows."""
+    return (inp.packed_q.cu_seqlens, inp.packed_q.offsets), (inp.packed_kv.cu_seqlens, inp.packed_kv.offsets)
+
+
+def zero_spill_rows(rows_q: PackedRows, rows_kv: PackedRows, q, k, v):
     """Zero, in place, the rows of q/k/v that FA4 may load past each sequence end."""
-    pq, pk = inp.packed_q, inp.packed_kv
     if k is v:  # one tensor passed as both: the registered fused op must not get it twice
-        kernel_ops.ops.zero_gap_rows(q, pq.cu_seqlens, pq.offsets, FA4_MAX_TILE_ROWS)
-        kernel_ops.ops.zero_gap_rows(k, pk.cu_seqlens, pk.offsets, FA4_MAX_TILE_ROWS)
+        kernel_ops.ops.zero_gap_rows(q, *rows_q, FA4_MAX_TILE_ROWS)
+        kernel_ops.ops.zero_gap_rows(k, *rows_kv, FA4_MAX_TILE_ROWS)
     else:
-        kernel_ops.ops.zero_gap_rows_qkv(q, k, v, pq.cu_seqlens, pq.offsets, pk.cu_seqlens, pk.offsets, FA4_MAX_TILE_ROWS)
+        kernel_ops.ops.zero_gap_rows_qkv(q, k, v, *rows_q, *rows_kv, FA4_MAX_TILE_ROWS)
     return q, k, v
 
 
-def _zero_spill_rows_in_place(inp: AttentionInputs) -> None:
+def zero_spill_rows_in_place(inp: AttentionInputs) -> None:
     with torch.no_grad():
-        _zero_spill_rows(inp, inp.q.detach(), inp.k.detach(), inp.v.detach())
+        zero_spill_rows(*packed_rows(inp), inp.q.detach(), inp.k.detach(), inp.v.detach())
     # The eager kernel writes through raw pointers; tell autograd the tensors changed, so a node
     # that saved one of them before this call fails loudly instead of using the new values.
     torch.autograd.graph.increment_version([inp.q, inp.k, inp.v])
 
 
 def guard_library_inputs(inp: AttentionInputs, plan: VarlenPlan, backend) -> AttentionInputs:
-    """FA4's NaN guard (see ``_gap_guard``) for a library with its own autograd: FA3 reads whole
+    """FA4's NaN guard (see ``gap_guard``) for a library with its own autograd: FA3 reads whole
     tiles too. The copy variant clones under autograd, so gradients still reach the inputs."""
-    guard = _gap_guard(plan, backend)
+    guard = gap_guard(plan, backend)
     if guard == "inplace":
-        _zero_spill_rows_in_place(inp)
+        zero_spill_rows_in_place(inp)
     elif guard == "copy":
         copies = [t.clone() for t in (inp.q, inp.k, inp.v)]
         with torch.no_grad():
-            _zero_spill_rows(inp, *(t.detach() for t in copies))
+            zero_spill_rows(*packed_rows(inp), *(t.detach() for t in copies))
         inp = dataclasses.replace(inp, q=copies[0], k=copies[1], v=copies[2])
     return inp
 
@@ -233,7 +205,7 @@ def run_library_varlen(inp: AttentionInputs, plan: VarlenPlan, call_fn) -> torch
     """For libraries with their own autograd, which allocate outputs and gradients themselves
     (skipped rows, the tail included, hold garbage): each call sees inputs whose gradient keeps
     only that call's rows, and the outputs are combined row by row."""
-    owner_q, owner_kv = plan.owners(inp)
+    owner_q, owner_kv = _owners(inp)
     parts = []
     for call in plan.calls:
         q = _MaskRowGrad.apply(inp.q, owner_q == call.policy)

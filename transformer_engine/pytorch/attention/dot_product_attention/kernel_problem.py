@@ -1,0 +1,96 @@
+"""The kernel interface every backend that writes into caller buffers implements (FA4, cuDNN),
+and the description of one attention problem it runs, independent of :class:`AttentionInputs`.
+
+Shape legend: T = rows of a packed (varlen) tensor, B = sequences (or the dense batch),
+S = dense length, H = query heads, D/Dv = head dims.
+
+A backend's kernel class (``_FA4Kernel``, ``_CudnnKernel``) implements::
+
+    forward(q, k, v, problem, features, need_lse)                 -> out, stats (a list)
+    backward(dout, q, k, v, out, stats, problem, features, need_dbias) -> dq, dk, dv, dbias, dsink
+    stats_to_rows(stats, qs)   -> lse [H, TQ] float32, one value per row of q
+    stats_from_rows(lse, qs, q) -> stats as its backward takes them
+
+and is the only place that builds its library's arguments. Two callers sit on top of it: the
+module's autograd (``backends/kernel_autograd.run_kernel``, a problem made from the prepared
+inputs and their THD plan) and context parallelism (``spans.SpanAdapter``, a one-run problem
+per span call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from .masks import MaskSpec
+
+# (cu_seqlens, slot offsets) of one side of a packed batch: the rows some sequence owns.
+PackedRows = Tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class KernelRun:
+    """One library call: one mask policy over the sequences it runs.
+
+    ``offsets_*`` are the [B+1] int32 start offsets the library takes as ``cu_seqlens`` (None
+    for a dense problem); ``seqused_*`` the [B] int32 valid lengths (None: up to the next
+    offset for varlen, the whole S for dense). Sequences of other policies have length 0, or,
+    in a compacted call, are left out (then ``batch_size`` counts only this policy's)."""
+
+    policy: int
+    spec: MaskSpec
+    offsets_q: Optional[torch.Tensor]
+    offsets_kv: Optional[torch.Tensor]
+    seqused_q: Optional[torch.Tensor]
+    seqused_kv: Optional[torch.Tensor]
+    batch_size: int
+
+
+class KernelProblem(NamedTuple):
+    """One attention problem over the kernel's tensors: q/k/v are [T, H, D] (``varlen``) or
+    [B, S, H, D]; one :class:`KernelRun` per live mask policy.
+
+    Immutable and typed; a NamedTuple rather than a frozen dataclass because the module makes
+    one per forward, and a frozen dataclass's ``__init__`` costs about 0.8 us more there
+    (measured on a CPU core: 1.1 us against 0.34 us for nine fields).
+
+    Rows no run owns must come out exactly 0, forward and backward. What a backend needs for
+    that: ``rows_q``/``rows_kv`` (a packed batch's (cu_seqlens, slot offsets), for kernels
+    that leave skipped rows unwritten; None where the caller zeroes them itself, as context
+    parallelism does with its spans' covered rows). Kernels that return zero-filled buffers
+    per run (cuDNN) need nothing: a sum of the runs' outputs is exact."""
+
+    runs: Sequence[KernelRun]
+    max_seqlen_q: int
+    max_seqlen_kv: int
+    softmax_scale: float
+    varlen: bool
+    # Every sequence has sq == skv (host fact): bottom-right and top-left diagonals coincide.
+    same_lengths: bool = False
+    rows_q: Optional[PackedRows] = None
+    rows_kv: Optional[PackedRows] = None
+
+
+@dataclass
+class ScoreFeatures:
+    """What a kernel adds on the way from scores to output: a post-scale ``bias`` (already in
+    the inputs' dtype), ALiBi, dropout with its Philox ``rng`` (int64 [seed, offset], drawn
+    once per forward from torch's generator and reused by the backward, so both see one mask),
+    and the attention ``sink`` logits (float32 [H]; off-by-one passes zeros)."""
+
+    bias: Optional[torch.Tensor] = None
+    alibi: bool = False
+    dropout_p: float = 0.0
+    rng: Optional[torch.Tensor] = None
+    sink: Optional[torch.Tensor] = None
+    need_dsink: bool = False  # backward only: whether the sink's gradient is wanted
+
+    def cudnn_args(self) -> tuple:
+        return self.bias, self.rng, self.alibi, self.dropout_p, self.sink
+
+
+# The span interface (context parallelism) carries none of them: CP refuses a bias and, on its
+# span schedules, dropout.
+NO_FEATURES = ScoreFeatures()
