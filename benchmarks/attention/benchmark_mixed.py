@@ -99,7 +99,8 @@ class Case:
         self.dpa = DotProductAttention(shape.heads, shape.head_dim, num_gqa_groups=shape.groups, qkv_format="thd",
                                        attn_mask_type="padding_causal")
 
-    def call(self, variant: str) -> Callable[[], torch.Tensor]:
+    def call(self, variant: str, qkv=None) -> Callable[[], torch.Tensor]:
+        q, k, v = qkv or (self.q, self.k, self.v)
         kw = dict(self.kwargs)
         if variant.startswith("mixed"):
             kw["attn_mask_type_per_seq"] = self.per_seq
@@ -107,7 +108,7 @@ class Case:
             kw["thd_sequence_is_causal"] = self.is_causal
         elif variant == "full":
             kw["attn_mask_type"] = "padding"
-        return lambda: self.dpa(self.q, self.k, self.v, **kw)
+        return lambda: self.dpa(q, k, v, **kw)
 
 
 def _step(fn, inputs, with_bwd: bool):
@@ -145,7 +146,12 @@ def measure(case: Case, variant: str, with_bwd: bool, graph: bool) -> float:
             step()
             if case.dpa.last_selection.label != case.label:
                 raise RuntimeError(f"{case.label} was not selected: {case.dpa.last_selection.label}")
-            return _time(graphed(step) if graph else step)
+            if not graph:
+                return _time(step)
+            # Fresh leaves for the capture (as in profile_small): leaves that eager steps used on
+            # the default stream make the captured backward sync that stream, which fails.
+            fresh = tuple(t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v))
+            return _time(graphed(_step(case.call(variant, fresh), fresh, with_bwd)))
     finally:
         for name, value in saved.items():
             os.environ.pop(name, None)
