@@ -217,7 +217,7 @@ def test_gpu_parity(label, name, gaps, hg, dtype):
 @pytest.mark.parametrize("spelling", ["shorthand", "dict"])
 def test_gpu_cuda_graph(label, spelling):
     """Mixed policies with gaps, forward+backward, captured in a CUDA graph and replayed on new
-    values; the dict spelling runs compacted calls (sizes from shapes)."""
+    values (both spellings: one call per policy over the whole batch)."""
     p = make_thd(GPU_LENGTHS, gaps_q=GPU_GAPS, h=H, d=128, dtype=torch.bfloat16, device="cuda")
     dpa = DotProductAttention(H, 128, qkv_format="thd", attn_mask_type="padding")
     kwargs = p.kwargs(True, 512, 512, shared=True)
