@@ -218,6 +218,9 @@ def plot(paths: List[Path], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = [row for path in paths for row in json.loads(path.read_text())]
+    if any("mixed-span" in row for row in rows):
+        # Files from before 5a89eb8, where "mixed" meant compacted calls: their columns differ.
+        raise ValueError("--plot: these files hold the older variants (mixed-span); plot them with the script of their commit")
     out.mkdir(parents=True, exist_ok=True)
     path = out / "mixed.json"
     path.write_text(json.dumps(rows, indent=1))
@@ -229,7 +232,7 @@ def plot(paths: List[Path], out: Path) -> Path:
         x = range(len(sel))
         width = 0.8 / len(MIXED)
         for i, variant in enumerate(MIXED):
-            ax.bar([j + width * (i - 1) for j in x], [r.get(f"{variant}/bound") or 0 for r in sel], width=width, label=variant)
+            ax.bar([j + width * (i - (len(MIXED) - 1) / 2) for j in x], [r.get(f"{variant}/bound") or 0 for r in sel], width=width, label=variant)
         ax.axhline(1.15 if backend == "fa4" else 1.3, color="k", linestyle="--", linewidth=0.8)
         ax.set_xticks(list(x), [r["shape"] for r in sel], fontsize=7)
         ax.set_ylabel("time / bound")

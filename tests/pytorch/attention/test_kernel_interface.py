@@ -95,14 +95,22 @@ class StandIn:
 
     def __init__(self):
         self.calls = []
+        self._buffers = []  # buffers already handed to a call (held, so their ids stay unique)
+
+    def _fresh(self, *buffers):
+        """NaN into each buffer on its first call only: like FA4, a later policy's call leaves
+        the rows an earlier one wrote untouched, and rows no call writes stay garbage (NaN)."""
+        for t in buffers:
+            if t is not None and not any(t is seen for seen in self._buffers):
+                self._buffers.append(t)
+                t.fill_(math.nan)
 
     def fa4_fwd(self, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, max_q, max_kv, scale, causal, left, right,
                 learnable_sink=None):
         assert q.dim() == 3 and lse is not None and learnable_sink is None
         self.calls.append(("fa4_fwd", dict(cu_q=cu_q, cu_kv=cu_kv, used_q=used_q, used_kv=used_kv, max_q=max_q,
                                            max_kv=max_kv, scale=scale, mask=(causal, left, right))))
-        out.fill_(math.nan)
-        lse.fill_(math.nan)
+        self._fresh(out, lse)
         for oq, ok, n, m in _seqs(cu_q, cu_kv, used_q, used_kv, cu_q.numel() - 1, 0, 0):
             assert n <= max_q and m <= max_kv
             if n:
@@ -112,8 +120,7 @@ class StandIn:
     def fa4_bwd(self, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_kv, used_q, used_kv, max_q, max_kv, scale, causal,
                 left, right, deterministic):
         self.calls.append(("fa4_bwd", dict(cu_q=cu_q, used_q=used_q, lse=lse, mask=(causal, left, right))))
-        for t in (dq, dk, dv):
-            t.fill_(math.nan)
+        self._fresh(dq, dk, dv)
         for oq, ok, n, m in _seqs(cu_q, cu_kv, used_q, used_kv, cu_q.numel() - 1, 0, 0):
             # No query rows: the key blocks' gradients are 0 (assumed, as kernels looping over
             # key blocks write them; a context-parallel step can give a sequence no query rows).
@@ -263,7 +270,7 @@ def _module_parity(backend, inputs, kwargs, **module_kwargs):
 @pytest.mark.parametrize("policies", [False, True])
 def test_module_thd_cudnn_runs(lib, gaps, policies):
     """cuDNN always takes valid lengths (also without gaps: the plan makes them once for the
-    forward and backward); several policies are runs over the whole batch, combined by row."""
+    forward and backward); several policies are runs over the whole batch, summed."""
     p, kwargs = _thd(gaps)
     if policies:
         kwargs["thd_sequence_is_causal"] = torch.tensor([True, False, True])
@@ -294,6 +301,23 @@ def test_module_thd_fa4_runs(lib, gaps):
     assert (fwd["max_q"], fwd["max_kv"], fwd["mask"]) == (6, 6, (True, -1, -1))
 
 
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("compact", ["0", "1"])
+@pytest.mark.parametrize("gaps", [False, True])
+def test_module_thd_several_policies(lib, backend, compact, gaps, monkeypatch):
+    """Two policies (dict spelling: sizes known, so NVTE_THD_POLICY_COMPACT=1 compacts them):
+    FA4's runs share buffers, cuDNN's are summed; both match the unfused backend, rows no
+    sequence owns are 0, and each run covers only its policy's sequences."""
+    monkeypatch.setenv("NVTE_THD_POLICY_COMPACT", compact)
+    p, kwargs = _thd(gaps)
+    kwargs["attn_mask_type_per_seq"] = {"padding_causal": torch.tensor([0, 2]), "padding": torch.tensor([1])}
+    out, grads = _module_parity(BACKENDS[backend], [p.q, p.k, p.v], kwargs, qkv_format="thd", attn_mask_type="padding")
+    assert torch.all(out[~p.valid_q] == 0) and all(torch.all(t[~p.valid_q] == 0) for t in grads)
+    fwds = lib.of(f"{backend}_fwd")
+    used = [f["used_q" if backend == "fa4" else "len_q"].tolist() for f in fwds]
+    assert sorted(used) == ([[3], [5, 6]] if compact == "1" else [[0, 3, 0], [5, 0, 6]])
+
+
 def test_module_dense_padding_lengths_made_once(lib):
     """A dense cuDNN call with a padding mask: lengths from the mask, made once per forward."""
     g = torch.Generator().manual_seed(1)
@@ -305,3 +329,15 @@ def test_module_dense_padding_lengths_made_once(lib):
     assert fwd["off_q"] is None and fwd["b"] == 2 and (fwd["max_q"], fwd["max_kv"]) == (6, 6)
     assert fwd["len_q"].tolist() == [4, 6] and fwd["len_q"].dtype == torch.int32
     assert bwd["len_q"] is fwd["len_q"] and bwd["len_kv"] is fwd["len_kv"]
+
+
+def test_cudnn_run_without_lengths_reads_them_from_the_offsets():
+    """KernelRun's "no lengths: up to the next offset", as cuDNN's ragged graphs need lengths."""
+    from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import _run_args
+    from transformer_engine.pytorch.attention.dot_product_attention.kernel_problem import KernelProblem, KernelRun
+    from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType, MaskSpec
+
+    off_q, off_kv = torch.tensor([0, 5, 8, 14], dtype=torch.int32), torch.tensor([0, 4, 9, 9], dtype=torch.int32)
+    run = KernelRun(0, MaskSpec(AttnMaskType.PADDING, (-1, -1)), off_q, off_kv, None, None, 3)
+    args = _run_args(KernelProblem((run,), 6, 5, SCALE, True), run)
+    assert args[2].tolist() == [5, 3, 6] and args[3].tolist() == [4, 5, 0] and args[4] == 3

@@ -10,6 +10,7 @@ A backend's kernel class (``_FA4Kernel``, ``_CudnnKernel``) implements::
     backward(dout, q, k, v, out, stats, problem, features, need_dbias) -> dq, dk, dv, dbias, dsink
     stats_to_rows(stats, qs)   -> lse [H, TQ] float32, one value per row of q
     stats_from_rows(lse, qs, q) -> stats as its backward takes them
+                                  (these two for one-run varlen problems: the span calls)
 
 and is the only place that builds its library's arguments. Two callers sit on top of it: the
 module's autograd (``backends/kernel_autograd.run_kernel``, a problem made from the prepared
@@ -36,7 +37,8 @@ class KernelRun:
 
     ``offsets_*`` are the [B+1] int32 start offsets the library takes as ``cu_seqlens`` (None
     for a dense problem); ``seqused_*`` the [B] int32 valid lengths (None: up to the next
-    offset for varlen, the whole S for dense). Sequences of other policies have length 0, or,
+    offset for varlen, the whole S for dense; the module's plans give cuDNN lengths always, as
+    its ragged graphs read them). Sequences of other policies have length 0, or,
     in a compacted call, are left out (then ``batch_size`` counts only this policy's)."""
 
     policy: int
@@ -52,9 +54,10 @@ class KernelProblem(NamedTuple):
     """One attention problem over the kernel's tensors: q/k/v are [T, H, D] (``varlen``) or
     [B, S, H, D]; one :class:`KernelRun` per live mask policy.
 
-    Immutable and typed; a NamedTuple rather than a frozen dataclass because the module makes
-    one per forward, and a frozen dataclass's ``__init__`` costs about 0.8 us more there
-    (measured on a CPU core: 1.1 us against 0.34 us for nine fields).
+    Immutable and typed (its runs are the plan's, shared, and nothing changes them after
+    planning); a NamedTuple rather than a frozen dataclass because the module makes one per
+    forward, and a frozen dataclass's ``__init__`` costs about 0.8 us more there (measured on
+    a CPU core: 1.1 us against 0.34 us).
 
     Rows no run owns must come out exactly 0, forward and backward. What a backend needs for
     that: ``rows_q``/``rows_kv`` (a packed batch's (cu_seqlens, slot offsets), for kernels

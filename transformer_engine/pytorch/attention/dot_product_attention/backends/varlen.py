@@ -1,5 +1,6 @@
-"""THD routing: how a packed batch maps onto varlen kernel calls, which rows each call owns,
-how the calls' results are combined, and the NaN guard for kernels that read whole tiles.
+"""THD routing: how a packed batch maps onto varlen kernel calls (one run per mask policy), the
+row owners and combine of the libraries with their own autograd (FA3, flash-attn 2), and the NaN
+guard for kernels that read whole tiles.
 
 Packed (THD) batches reach every GPU library the same way (:class:`VarlenPlan`): physical slot
 offsets as ``cu_seqlens``, valid lengths as per-sequence lengths (``seqused``), and one call per
