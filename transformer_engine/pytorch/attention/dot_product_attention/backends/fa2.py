@@ -38,7 +38,7 @@ class FlashAttentionV2(FlashAttention):
             return flash_attn.flash_attn_func(inp.q, inp.k, inp.v, **kwargs)
 
         def call_fn(q, k, v, inp, plan, call):
-            return flash_attn.flash_attn_varlen_func(q, k, v, plan.offsets_q, plan.offsets_kv, inp.packed_q.max_seqlen,
+            return flash_attn.flash_attn_varlen_func(q, k, v, call.offsets_q, call.offsets_kv, inp.packed_q.max_seqlen,
                                                      inp.packed_kv.max_seqlen, **kwargs)
 
         # No gaps here (declared unsupported), but rows past cu_seqlens[-1] are left unwritten.

@@ -30,11 +30,10 @@ from . import kernel_ops
 
 @dataclass
 class VarlenPlan:
-    """How a packed batch maps onto varlen kernel calls: the batch's physical offsets and one
-    run per live policy (each carries the offsets it passes: these, or, compacted, its own)."""
+    """How a packed batch maps onto varlen kernel calls: one run per live policy, each with the
+    offsets it passes (the batch's physical ones, or, compacted, its own), and whether the batch
+    has gaps."""
 
-    offsets_q: torch.Tensor
-    offsets_kv: torch.Tensor
     calls: List[KernelRun]
     has_gaps: bool
 
@@ -51,13 +50,12 @@ def plan_varlen(inp: AttentionInputs, always_lengths: bool = False) -> VarlenPla
     if spec is not None:
         if not gaps:
             len_q, len_kv = _valid_lengths(pq, pk) if always_lengths else (None, None)
-            return VarlenPlan(pq.cu_seqlens, pk.cu_seqlens, [KernelRun(0, spec, pq.cu_seqlens, pk.cu_seqlens, len_q, len_kv, b)],
-                              False)
+            return VarlenPlan([KernelRun(0, spec, pq.cu_seqlens, pk.cu_seqlens, len_q, len_kv, b)], False)
         len_q, len_kv = _valid_lengths(pq, pk)
-        return VarlenPlan(pq.offsets, pk.offsets, [KernelRun(0, spec, pq.offsets, pk.offsets, len_q, len_kv, b)], True)
+        return VarlenPlan([KernelRun(0, spec, pq.offsets, pk.offsets, len_q, len_kv, b)], True)
     len_q, len_kv = _valid_lengths(pq, pk)
     if policies.sizes is not None and THD_POLICY_COMPACT.get("0") == "1":
-        return VarlenPlan(pq.offsets, pk.offsets, _compacted_calls(policies, pq, pk, len_q, len_kv), gaps)
+        return VarlenPlan(_compacted_calls(policies, pq, pk, len_q, len_kv), gaps)
     calls = []
     for p in policies.active():
         mine = policies.seq_mask(p)
@@ -65,7 +63,7 @@ def plan_varlen(inp: AttentionInputs, always_lengths: bool = False) -> VarlenPla
         # One tensor for both sides when the lengths are one tensor (a launch saved per policy).
         used_kv = used_q if len_kv is len_q else torch.where(mine, len_kv, 0)
         calls.append(KernelRun(p, policies.specs[p], pq.offsets, pk.offsets, used_q, used_kv, b))
-    return VarlenPlan(pq.offsets, pk.offsets, calls, gaps)
+    return VarlenPlan(calls, gaps)
 
 
 def _compacted_calls(policies, pq: PackedSeqs, pk: PackedSeqs, len_q, len_kv) -> List[KernelRun]:
