@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -16,15 +17,21 @@ from benchmark_attention import BATCHES, ONLY, Env, bench, cudnn_direct, dpa_thd
 
 
 def host_us(step, n=50) -> float:
-    """Host microseconds per call, the GPU allowed to catch up only at the end."""
+    """Median host microseconds of one call, each call starting on an idle GPU.
+
+    Back-to-back calls (the earlier method, up to 2026-12-03) fill CUDA's launch queue on
+    launch-heavy steps, after which a launch waits for the GPU and the "host" time includes GPU
+    time; that made runs of the same code differ by up to 2.4x. Here the GPU is synchronized
+    after every call, outside the timed span."""
     step()
     torch.cuda.synchronize()
-    t = time.perf_counter()
+    times = []
     for _ in range(n):
+        t = time.perf_counter()
         step()
-    host = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return host
+        times.append(time.perf_counter() - t)
+        torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
 
 
 def graphed_ms(step) -> float:
