@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Host and GPU time of DotProductAttention on launch-bound batches, the package at an older
+# commit against the working tree, alternated (before, after, before, after) so that drift on
+# the machine hits both alike. Needs a GPU (profile_small.py); run from the repository root:
+#
+#   bash benchmarks/attention/host_before_after.sh 38d1729 OUT_DIR [runs=2]
+#
+# Writes OUT_DIR/host_before_N.log and host_after_N.log ([small] lines of profile_small.py).
+set -eu
+commit=$1 out=$2 runs=${3:-2}
+old=$(mktemp -d)
+git archive "$commit" transformer_engine transformer_engine_torch | tar -x -C "$old"
+mkdir -p "$out"
+for i in $(seq 1 "$runs"); do
+  PYTHONPATH="$old:${PYTHONPATH:-}" PROFILE_KERNELS=0 python benchmarks/attention/profile_small.py --head-dims 128 2>&1 \
+    | grep '^\[small\]' > "$out/host_before_$i.log"
+  PROFILE_KERNELS=0 python benchmarks/attention/profile_small.py --head-dims 128 2>&1 | grep '^\[small\]' > "$out/host_after_$i.log"
+done
+rm -rf "$old"
