@@ -3,9 +3,10 @@ translation of a call into graph-op arguments (:class:`_CudnnKernel`, the kernel
 :mod:`..kernel_problem`), the registered ops ``cudnn_fwd``/``cudnn_bwd``, and the graphs they
 build and cache.
 
-The cuDNN ops are functional and return zero-filled outputs: a call leaves its gaps and tail at
-0, but it may write zeros over rows of sequences it runs with length 0, so calls for several
-policies do not share buffers. THD runs through ragged offsets.
+The cuDNN ops are functional and return zero-filled outputs: a call leaves its gaps, its tail
+and the rows of sequences it runs with length 0 at 0 (it may write zeros there), so calls for
+several policies do not share buffers; their outputs are summed. THD runs through ragged
+offsets.
 """
 
 from __future__ import annotations
