@@ -5,15 +5,22 @@
 #
 #   bash benchmarks/attention/host_before_after.sh 38d1729 OUT_DIR [runs=2]
 #
+# BEFORE may also be a directory holding transformer_engine/ and transformer_engine_torch/ (the
+# device's copy of the checkout has no git history: extract it here with `git archive` and
+# carry the directory).
 # Writes OUT_DIR/host_before_N.log and host_after_N.log ([small] lines of profile_small.py).
 set -eu
 commit=$1 out=$2 runs=${3:-2}
-old=$(mktemp -d)
-git archive "$commit" transformer_engine transformer_engine_torch | tar -x -C "$old"
+if [ -d "$commit" ]; then
+  old=$(cd "$commit" && pwd) keep=1
+else
+  old=$(mktemp -d) keep=0
+  git archive "$commit" transformer_engine transformer_engine_torch | tar -x -C "$old"
+fi
 mkdir -p "$out"
 for i in $(seq 1 "$runs"); do
   PYTHONPATH="$old:${PYTHONPATH:-}" PROFILE_KERNELS=0 python benchmarks/attention/profile_small.py --head-dims 128 2>&1 \
     | grep '^\[small\]' > "$out/host_before_$i.log"
   PROFILE_KERNELS=0 python benchmarks/attention/profile_small.py --head-dims 128 2>&1 | grep '^\[small\]' > "$out/host_after_$i.log"
 done
-rm -rf "$old"
+[ "$keep" = 1 ] || rm -rf "$old"
