@@ -133,14 +133,17 @@ def _cudnn_fn(args, inputs, bias, alibi, dropout_p):
         @staticmethod
         def forward(ctx, q, k, v):
             rng = torch.randint(0, 1 << 62, (2,), dtype=torch.int64, device=q.device) if dropout_p > 0 else None
-            o, stats = cudnn.cudnn_fwd(q, k, v, *args, bias, rng, alibi, dropout_p)
+            o = q.new_empty(*q.shape[:-1], v.shape[-1])  # a direct caller's buffer (cuDNN writes every row here)
+            stats = cudnn.cudnn_fwd(q, k, v, o, *args, bias, rng, alibi, dropout_p)
             ctx.save_for_backward(q, k, v, o, stats, rng)
             return o
 
         @staticmethod
         def backward(ctx, grad):
             q, k, v, o, stats, rng = ctx.saved_tensors
-            return cudnn.cudnn_bwd(grad.contiguous(), q, k, v, o, stats, *args, False, bias, rng, alibi, dropout_p)[:3]
+            grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+            cudnn.cudnn_bwd(grad.contiguous(), q, k, v, o, stats, *grads, *args, False, bias, rng, alibi, dropout_p)
+            return grads
 
     return lambda: Fn.apply(*inputs)
 

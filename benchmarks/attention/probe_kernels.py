@@ -1,8 +1,8 @@
 """Facts about the kernels that decide the THD routing, measured on the GPU at hand.
 
-1. Which rows each kernel writes: outputs and gradients are pre-filled with NaN (cuDNN's own
-   zero-filled buffers too, through ``nan_filled_buffers``), and we count the rows outside any
-   (used) sequence that came back written, and how many of them hold zeros.
+1. Which rows each kernel writes: the output and gradient buffers handed to it are pre-filled
+   with NaN, and we count the rows outside any (used) sequence that came back written, and how
+   many of them hold zeros.
 2. Which inputs leak NaN from gap rows into valid rows (q, k, v or dout poisoned alone), and
    whether zeroing the guard's spill rows stops it; what FA4 writes for key-less sequences.
 3. What FA4's ``seqused`` costs against the same batch without it, what the extra passes
@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import traceback
 
 import torch
@@ -92,33 +91,28 @@ def probe_writes():
         probe_cudnn_writes(q, k, v, offsets, lens, used, causal, gap_rows, skipped)
 
 
-@contextlib.contextmanager
-def nan_filled_buffers():
-    """The cuDNN ops zero-fill their outputs (``new_zeros``, ``torch.zeros``); here those come
-    back NaN-filled, so the rows a call leaves unwritten stay NaN and can be told from rows it
-    wrote with zeros."""
-    new_zeros, zeros = torch.Tensor.new_zeros, torch.zeros
-    torch.Tensor.new_zeros = lambda self, *a, **kw: new_zeros(self, *a, **kw).fill_(float("nan"))
-    torch.zeros = lambda *a, **kw: zeros(*a, **kw).fill_(float("nan"))
-    try:
-        yield
-    finally:
-        torch.Tensor.new_zeros, torch.zeros = new_zeros, zeros
-
-
 def probe_cudnn_writes(q, k, v, offsets, lens, used, causal, gap_rows, skipped):
     """Whether cuDNN leaves rows outside its sequences untouched (then several policies' calls
     could share one buffer, with no zero-fill per call and no sum) or writes them (zeros)."""
     m, b = max(LENGTHS), len(LENGTHS)
     for name, seqlens, rows in (("gaps", lens, gap_rows), ("seq_len=0 for half", used, skipped)):
-        with nan_filled_buffers():
-            out, stats = ops.cudnn_fwd(q, k, v, offsets, offsets, seqlens, seqlens, b, m, m, D ** -0.5, causal, -1, -1, False)
-            dq, dk, dv, *_ = ops.cudnn_bwd(torch.randn_like(out).nan_to_num(0), q, k, v, out.nan_to_num(0), stats, offsets,
-                                          offsets, seqlens, seqlens, b, m, m, D ** -0.5, causal, -1, -1, False, False)
+        out, dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, q, k, v))
+        stats = ops.cudnn_fwd(q, k, v, out, offsets, offsets, seqlens, seqlens, b, m, m, D ** -0.5, causal, -1, -1, False)
+        ops.cudnn_bwd(torch.randn_like(out).nan_to_num(0), q, k, v, out.nan_to_num(0), stats, dq, dk, dv, offsets, offsets,
+                      seqlens, seqlens, b, m, m, D ** -0.5, causal, -1, -1, False, False)
         zero = lambda t: int((t[rows] == 0).all(dim=2).all(dim=1).sum())  # noqa: E731
         print(f"[writes] cuDNN {name} causal={causal}: rows {int(rows.sum())}: written (not NaN) out {written(out, rows)} "
               f"dq {written(dq, rows)} dk {written(dk, rows)} dv {written(dv, rows)}; of them zero: out {zero(out)} "
               f"dq {zero(dq)} dk {zero(dk)} dv {zero(dv)}")
+    # Keys but no queries (cross attention): is dK/dV of those keys written (0) or left as it was?
+    out, dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, q, k, v))
+    stats = ops.cudnn_fwd(q, k, v, out, offsets, offsets, used, lens, b, m, m, D ** -0.5, causal, -1, -1, False)
+    ops.cudnn_bwd(torch.randn_like(out).nan_to_num(0), q, k, v, out.nan_to_num(0), stats, dq, dk, dv, offsets, offsets,
+                  used, lens, b, m, m, D ** -0.5, causal, -1, -1, False, False)
+    keys = skipped & ~gap_rows  # the key rows of the sequences run without queries
+    zero = lambda t: int((t[keys] == 0).all(dim=2).all(dim=1).sum())  # noqa: E731
+    print(f"[writes] cuDNN no queries for half causal={causal}: their key rows {int(keys.sum())}: written (not NaN) "
+          f"dk {written(dk, keys)} dv {written(dv, keys)}; of them zero: dk {zero(dk)} dv {zero(dv)}")
 
 
 def probe_leaks():

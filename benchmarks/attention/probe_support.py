@@ -126,12 +126,14 @@ def _run_cudnn(case):
     else:
         _, off, lens = meta
         args = (off, off, lens, lens, len(LENGTHS), max(LENGTHS), max(LENGTHS))
-    out, stats = cudnn.cudnn_fwd(q, k, v, *args, scale, case["causal"], -1, -1, False)
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    stats = cudnn.cudnn_fwd(q, k, v, out, *args, scale, case["causal"], -1, -1, False)
     torch.cuda.synchronize()
     _STAGE[0] = "bwd"
     if variant == "contiguous_bwd":
         q, k, v = (t.contiguous() for t in (q, k, v))
-    dq, dk, dv, *_ = cudnn.cudnn_bwd(torch.randn_like(out), q, k, v, out, stats, *args, scale, case["causal"], -1, -1, False, False)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    cudnn.cudnn_bwd(torch.randn_like(out), q, k, v, out, stats, dq, dk, dv, *args, scale, case["causal"], -1, -1, False, False)
     torch.cuda.synchronize()
     return bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(t).all()) for t in (dq, dk, dv))
 

@@ -12,7 +12,7 @@ import torch
 
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import backend_scope
-from transformer_engine.pytorch.attention.dot_product_attention import backends
+from transformer_engine.pytorch.attention.dot_product_attention import backends, gap_rows
 from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
 
 FWD_NAMES = ("offsets_q", "offsets_kv", "seqlens_q", "seqlens_kv", "batch_size", "max_seqlen_q", "max_seqlen_kv",
@@ -21,19 +21,25 @@ BWD_NAMES = FWD_NAMES[:12] + ("deterministic",) + FWD_NAMES[12:] + ("need_dbias"
 
 
 class _RecordingOps:
+    """Records the cuDNN ops' arguments; writes nothing into the buffers it is given. The
+    gap-row ops are the real ones (the kernel zeroes the rows no sequence owns through them)."""
+
+    zero_gap_rows = staticmethod(gap_rows.zero_gap_rows)
+    zero_gap_rows_qkv = staticmethod(gap_rows.zero_gap_rows_qkv)
+
     def __init__(self):
         self.fwd, self.bwd = [], []
 
-    def cudnn_fwd(self, q, k, v, *args):
-        self.fwd.append(dict(zip(FWD_NAMES, args)))
-        return q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_zeros(1)
+    def cudnn_fwd(self, q, k, v, out, *args):
+        self.fwd.append(dict(zip(FWD_NAMES, args), out=out))
+        return q.new_zeros(1)
 
-    def cudnn_bwd(self, dout, q, k, v, out, stats, *args):
-        call = dict(zip(BWD_NAMES, args))
+    def cudnn_bwd(self, dout, q, k, v, out, stats, dq, dk, dv, *args):
+        call = dict(zip(BWD_NAMES, args), grads=(dq, dk, dv))
         self.bwd.append(call)
         dbias = torch.ones_like(call["bias"]) if call["need_dbias"] else q.new_empty(0)
         dsink = torch.full_like(call["sink"], 2.0) if call["need_dsink"] else q.new_empty(0)
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dbias, dsink
+        return dbias, dsink
 
 
 @pytest.fixture
@@ -134,30 +140,39 @@ def test_sink_gradient_is_the_sum_of_the_policy_calls(recorder):
 
 class _RowWritingOps(_RecordingOps):
     """Like a cuDNN call: rows of the sequences it runs (length > 0) get the call's number, all
-    other rows stay 0."""
+    other rows are left as they are; a buffer seen for the first time is NaN-filled first, so a
+    row that no call writes and nothing zeroes afterwards stays NaN."""
 
-    @staticmethod
-    def _fill(t, offsets, lengths, value):
+    def __init__(self):
+        super().__init__()
+        self._seen = []
+
+    def _fill(self, t, offsets, lengths, value):
+        if not any(t is seen for seen in self._seen):
+            self._seen.append(t)
+            t.fill_(float("nan"))
         for b in range(lengths.numel()):
             start = int(offsets[b])
             t[start:start + int(lengths[b])] = value
-        return t
 
-    def cudnn_fwd(self, q, k, v, *args):
-        out, stats = super().cudnn_fwd(q, k, v, *args)
+    def cudnn_fwd(self, q, k, v, out, *args):
+        stats = super().cudnn_fwd(q, k, v, out, *args)
         call = self.fwd[-1]
-        return self._fill(out, call["offsets_q"], call["seqlens_q"], len(self.fwd)), stats
+        self._fill(out, call["offsets_q"], call["seqlens_q"], len(self.fwd))
+        return stats
 
-    def cudnn_bwd(self, dout, q, k, v, out, stats, *args):
-        dq, dk, dv, dbias, dsink = super().cudnn_bwd(dout, q, k, v, out, stats, *args)
+    def cudnn_bwd(self, dout, q, k, v, out, stats, dq, dk, dv, *args):
+        dbias, dsink = super().cudnn_bwd(dout, q, k, v, out, stats, dq, dk, dv, *args)
         call, n = self.bwd[-1], len(self.bwd)
-        grads = [self._fill(t, call[f"offsets_{s}"], call[f"seqlens_{s}"], n) for t, s in ((dq, "q"), (dk, "kv"), (dv, "kv"))]
-        return (*grads, dbias, dsink)
+        for t, s in ((dq, "q"), (dk, "kv"), (dv, "kv")):
+            self._fill(t, call[f"offsets_{s}"], call[f"seqlens_{s}"], n)
+        return dbias, dsink
 
 
-def test_policy_calls_are_summed_without_row_owners(monkeypatch):
-    """Several policies' calls are combined by a sum (each leaves other rows at 0): every row
-    holds its own policy's call, gaps stay 0, and no row owners are made."""
+def test_policy_calls_share_buffers_without_row_owners(monkeypatch):
+    """Several policies' calls write into one output (one dQ/dK/dV): every row holds its own
+    policy's call, rows no sequence owns are zeroed after the calls (gaps and the tail: 0, not
+    the NaN the buffers started with), and no row owners are made."""
     from transformer_engine.pytorch.attention.dot_product_attention.backends import varlen
 
     from .packing import make_thd
@@ -174,6 +189,8 @@ def test_policy_calls_are_summed_without_row_owners(monkeypatch):
         out.float().sum().backward()
     assert sorted(c["causal"] for c in ops.fwd) == [False, True] and len(ops.bwd) == 2
     assert [c["causal"] for c in ops.bwd] == [c["causal"] for c in ops.fwd]
+    assert ops.fwd[0]["out"] is ops.fwd[1]["out"], "the policies' calls share one output"
+    assert all(a is b for a, b in zip(*(c["grads"] for c in ops.bwd))), "and one set of gradients"
     # Rows of sequences 0 and 2 come from the causal call, sequence 1 from the other; gaps are 0.
     causal_call = 1 + [c["causal"] for c in ops.fwd].index(True)
     expect = torch.zeros(p.q.shape[0])

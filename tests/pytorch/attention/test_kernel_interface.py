@@ -4,8 +4,10 @@ parallelism (``spans.SpanAdapter``, a one-run problem per span call).
 
 The FA4 and cuDNN ops are replaced by a float64 stand-in library that records every call's
 arguments and computes it per sequence with each library's documented semantics: FA4 writes
-only the rows it runs (the rest hold NaN here) and an LSE [H, T] by physical row; cuDNN
-returns zero-filled outputs and stats [B, H, SQ, 1] by position (NaN past each length); both
+only the rows it runs (the rest hold NaN here) and an LSE [H, T] by physical row; cuDNN too
+writes only the rows it runs, leaving the others as the caller made them (``torch.empty``
+returns NaN-filled floating tensors here, so an unwritten row of an empty buffer shows), and
+returns stats [B, H, SQ, 1] by position (NaN past each length); both
 backwards use the LSE/stats they are given (as the real ones do, so context parallelism's
 final LSE reaches them). Results are compared with the unfused span kernel and backend."""
 
@@ -130,9 +132,8 @@ class StandIn:
                                  lse[:, oq:oq + n], _allowed(n, m, causal, left, right, m - n))
                 dq[oq:oq + n], dk[ok:ok + m], dv[ok:ok + m] = (g.to(dq.dtype) for g in grads)
 
-    def cudnn_fwd(self, q, k, v, off_q, off_kv, len_q, len_kv, b, max_q, max_kv, scale, causal, left, right, bottom_right,
-                  bias=None, rng=None, alibi=False, dropout_p=0.0, sink=None):
-        out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    def cudnn_fwd(self, q, k, v, out, off_q, off_kv, len_q, len_kv, b, max_q, max_kv, scale, causal, left, right,
+                  bottom_right, bias=None, rng=None, alibi=False, dropout_p=0.0, sink=None):
         stats = torch.full((b, q.shape[-2], max(max_q, 1), 1), math.nan)
         self.calls.append(("cudnn_fwd", dict(off_q=off_q, off_kv=off_kv, len_q=len_q, len_kv=len_kv, b=b, max_q=max_q,
                                              max_kv=max_kv, mask=(causal, left, right, bottom_right), stats=stats)))
@@ -142,13 +143,13 @@ class StandIn:
                 allowed = _allowed(n, m, causal, left, right, m - n if bottom_right else 0)
                 o, l_ = _seq_fwd(qr[oq:oq + n], kr[ok:ok + m], vr[ok:ok + m], allowed)
                 orows[oq:oq + n], stats[i, :, :n, 0] = o.to(out.dtype), l_.float()
-        return out, stats
+        return stats
 
-    def cudnn_bwd(self, dout, q, k, v, out, stats, off_q, off_kv, len_q, len_kv, b, max_q, max_kv, scale, causal, left,
-                  right, bottom_right, deterministic, bias=None, rng=None, alibi=False, dropout_p=0.0, sink=None,
-                  need_dbias=False, need_dsink=False):
+    def cudnn_bwd(self, dout, q, k, v, out, stats, dq, dk, dv, off_q, off_kv, len_q, len_kv, b, max_q, max_kv, scale,
+                  causal, left, right, bottom_right, deterministic, bias=None, rng=None, alibi=False, dropout_p=0.0,
+                  sink=None, need_dbias=False, need_dsink=False):
         self.calls.append(("cudnn_bwd", dict(off_q=off_q, len_q=len_q, len_kv=len_kv, b=b, stats=stats)))
-        grads = [torch.zeros_like(t) for t in (q, k, v)]
+        grads = [dq, dk, dv]
         rows = [_rows(t) for t in (dout, q, k, v, out, *grads)]
         for i, (oq, ok, n, m) in enumerate(_seqs(off_q, off_kv, len_q, len_kv, b, max_q, max_kv)):
             if n:
@@ -157,7 +158,7 @@ class StandIn:
                 got = _seq_bwd(d[oq:oq + n], qq[oq:oq + n], kk[ok:ok + m], vv[ok:ok + m], oo[oq:oq + n],
                                stats[i, :, :n, 0], allowed)
                 gq[oq:oq + n], gk[ok:ok + m], gv[ok:ok + m] = (g.to(q.dtype) for g in got)
-        return (*grads, q.new_empty(0), q.new_empty(0))
+        return q.new_empty(0), q.new_empty(0)
 
     def of(self, name):
         return [kw for n, kw in self.calls if n == name]
@@ -171,6 +172,13 @@ def lib(monkeypatch):
     stand_in.zero_gap_rows = gap_rows.zero_gap_rows
     stand_in.zero_gap_rows_qkv = gap_rows.zero_gap_rows_qkv
     monkeypatch.setattr(kernel_ops, "ops", stand_in)
+    empty = torch.empty
+
+    def garbage(*args, **kwargs):  # an empty buffer's unwritten rows are garbage, never silently 0
+        t = empty(*args, **kwargs)
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", garbage)
     return stand_in
 
 
@@ -270,7 +278,7 @@ def _module_parity(backend, inputs, kwargs, **module_kwargs):
 @pytest.mark.parametrize("policies", [False, True])
 def test_module_thd_cudnn_runs(lib, gaps, policies):
     """cuDNN always takes valid lengths (also without gaps: the plan makes them once for the
-    forward and backward); several policies are runs over the whole batch, summed."""
+    forward and backward); several policies are runs over the whole batch into one buffer."""
     p, kwargs = _thd(gaps)
     if policies:
         kwargs["thd_sequence_is_causal"] = torch.tensor([True, False, True])
@@ -284,6 +292,17 @@ def test_module_thd_cudnn_runs(lib, gaps, policies):
         assert bwd["len_q"] is fwd["len_q"] and bwd["len_kv"] is fwd["len_kv"]  # made once per forward
     lengths = {True: [5, 3, 6]} if not policies else {True: [5, 0, 6], False: [0, 3, 0]}  # by causal
     assert {f["mask"][0]: f["len_q"].tolist() for f in fwds} == lengths
+
+
+def test_module_thd_cudnn_cross_attention_with_a_query_less_sequence(lib):
+    """Cross attention where one sequence has keys but no queries: its dK/dV rows are 0. The
+    stand-in, like cuDNN as far as was probed, writes nothing for a sequence without query
+    rows, so the kernel must not hand it an empty dK/dV buffer there."""
+    p = make_thd([4, 0, 3], [5, 6, 2], h=H, hg=HG, d=D, tail=1)
+    out, grads = _module_parity("FusedAttention", [p.q, p.k, p.v], p.kwargs(False, 4, 6), qkv_format="thd",
+                                attn_mask_type="padding")
+    assert torch.all(grads[1][5:11] == 0) and torch.all(grads[2][5:11] == 0)  # sequence 1's keys
+    assert all(torch.all(t[~p.valid_kv] == 0) for t in grads[1:])
 
 
 @pytest.mark.parametrize("gaps", [False, True])
@@ -306,8 +325,8 @@ def test_module_thd_fa4_runs(lib, gaps):
 @pytest.mark.parametrize("gaps", [False, True])
 def test_module_thd_several_policies(lib, backend, compact, gaps, monkeypatch):
     """Two policies (dict spelling: sizes known, so NVTE_THD_POLICY_COMPACT=1 compacts them):
-    FA4's runs share buffers, cuDNN's are summed; both match the unfused backend, rows no
-    sequence owns are 0, and each run covers only its policy's sequences."""
+    the runs share buffers on both backends, match the unfused backend, rows no sequence owns
+    are 0, and each run covers only its policy's sequences."""
     monkeypatch.setenv("NVTE_THD_POLICY_COMPACT", compact)
     p, kwargs = _thd(gaps)
     kwargs["attn_mask_type_per_seq"] = {"padding_causal": torch.tensor([0, 2]), "padding": torch.tensor([1])}

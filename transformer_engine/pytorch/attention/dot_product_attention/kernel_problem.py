@@ -62,8 +62,8 @@ class KernelProblem(NamedTuple):
     Rows no run owns must come out exactly 0, forward and backward. What a backend needs for
     that: ``rows_q``/``rows_kv`` (a packed batch's (cu_seqlens, slot offsets), for kernels
     that leave skipped rows unwritten; None where the caller zeroes them itself, as context
-    parallelism does with its spans' covered rows). Kernels that return zero-filled buffers
-    per run (cuDNN) need nothing: a sum of the runs' outputs is exact."""
+    parallelism does with its spans' covered rows). FA4 and cuDNN both leave skipped rows
+    unwritten, so every run of a problem writes into one set of buffers."""
 
     runs: Sequence[KernelRun]
     max_seqlen_q: int

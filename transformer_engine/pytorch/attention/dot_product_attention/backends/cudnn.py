@@ -3,10 +3,11 @@ translation of a call into graph-op arguments (:class:`_CudnnKernel`, the kernel
 :mod:`..kernel_problem`), the registered ops ``cudnn_fwd``/``cudnn_bwd``, and the graphs they
 build and cache.
 
-The cuDNN ops are functional and return zero-filled outputs: a call leaves its gaps, its tail
-and the rows of sequences it runs with length 0 at 0 (it may write zeros there), so calls for
-several policies do not share buffers; their outputs are summed. THD runs through ragged
-offsets.
+The cuDNN ops write into caller-provided buffers (``out``; ``dq``/``dk``/``dv``) and leave every
+row they do not run untouched: gaps, the tail, and the rows of sequences run with length 0
+(probed with NaN-filled buffers on the H200: benchmarks/results/2026-12-03-h200/s4/). So, as
+with FA4, the calls for several mask policies share one set of buffers and the caller zeroes
+only the rows no sequence owns. THD runs through ragged offsets.
 """
 
 from __future__ import annotations
@@ -155,16 +156,15 @@ def _cudnn_feature_reasons(params) -> List[Reason]:
 
 class _CudnnKernel:
     """The kernel interface (:mod:`..kernel_problem`) on the cuDNN graph ops: run offsets as
-    ragged offsets, valid lengths as per-sequence lengths; stats are [B, H, SQ, 1] float32.
+    ragged offsets, valid lengths as per-sequence lengths; stats are [B, H, SQ, 1] float32, one
+    tensor per run.
 
-    The ops return zero-filled outputs, and a call leaves every row outside its own sequences
-    at 0 (gaps, the tail, and the rows of sequences it runs with length 0, which cuDNN may
-    write with zeros). So the runs of several policies, each into its own buffers, are
-    combined by a sum, exact where all parts but one hold 0: one vectorized pass per tensor and
-    no row owners. (A ``where`` over row owners, the earlier combine, was a broadcast kernel
-    that cost more than the attention itself on short sequences: on the H200, 110 sequences of
-    64-512 tokens went from 2.96x to 1.64x the uniform bound, forward replayed from a CUDA graph;
-    benchmarks/results/2026-12-03-h200/s3/README.md.)"""
+    cuDNN leaves the rows it does not run untouched, so the runs of all policies write their own
+    rows of one output (and one dQ/dK/dV), and only the rows no sequence owns are zeroed, by
+    ``zero_gap_rows``, where the problem names them (context parallelism zeroes its uncovered
+    rows itself). No memset per run and no combining pass: each cost a launch and a pass over
+    the whole tensor per policy (earlier combines: a ``where`` over row owners, then a sum of
+    zero-filled per-run buffers; benchmarks/results/2026-12-03-h200/s3/README.md)."""
 
     SANITIZE_GAPS = False
 
@@ -172,20 +172,30 @@ class _CudnnKernel:
     def forward(q, k, v, problem: KernelProblem, features: ScoreFeatures, need_stats: bool):
         # need_stats is not used: the graphs always generate stats (an inference variant would be
         # a second cached graph per configuration, for a store of [B, H, SQ] floats).
-        results = [kernel_ops.ops.cudnn_fwd(q, k, v, *_run_args(problem, run), *features.cudnn_args())
-                   for run in problem.runs]
-        return _sum_parts([o for o, _ in results]), [s for _, s in results]
+        out = _buffer(q, (*q.shape[:-1], v.shape[-1]), problem)
+        stats = [kernel_ops.ops.cudnn_fwd(q, k, v, out, *_run_args(problem, run), *features.cudnn_args())
+                 for run in problem.runs]
+        if problem.rows_q is not None:
+            kernel_ops.ops.zero_gap_rows(out, *problem.rows_q, -1)
+        return out, stats
 
     @staticmethod
     def backward(dout, q, k, v, out, stats, problem: KernelProblem, features: ScoreFeatures, need_dbias: bool):
         det = torch.are_deterministic_algorithms_enabled()
-        grads = [kernel_ops.ops.cudnn_bwd(dout, q, k, v, out, st, *_run_args(problem, run), det,
+        dq, dk, dv = _buffer(q, q.shape, problem), _buffer(k, k.shape, problem, True), _buffer(v, v.shape, problem, True)
+        grads = [kernel_ops.ops.cudnn_bwd(dout, q, k, v, out, st, dq, dk, dv, *_run_args(problem, run), det,
                                           *features.cudnn_args(), need_dbias, features.need_dsink)
                  for run, st in zip(problem.runs, stats)]
-        dbias = grads[0][3] if need_dbias else None  # a bias never meets per-sequence policies
-        # Each policy's run reduces the sink gradient over its own rows: the sum is the whole.
-        dsink = _sum_parts([g[4] for g in grads]) if features.need_dsink else None
-        return (*(_sum_parts([g[i] for g in grads]) for i in range(3)), dbias, dsink)
+        if problem.rows_q is not None:
+            kernel_ops.ops.zero_gap_rows_qkv(dq, dk, dv, *problem.rows_q, *problem.rows_kv, -1)
+        dbias = grads[0][0] if need_dbias else None  # a bias never meets per-sequence policies
+        dsink = None
+        if features.need_dsink:
+            # Each policy's run reduces the sink gradient over its own rows: the sum is the whole.
+            dsink = grads[0][1]
+            for _, part in grads[1:]:
+                dsink = dsink + part
+        return dq, dk, dv, dbias, dsink
 
     @staticmethod
     def stats_to_rows(stats, qs: RowSpan) -> torch.Tensor:
@@ -205,13 +215,20 @@ class _CudnnKernel:
         return [lse[:, index.flatten()].view(h, b, sq).permute(1, 0, 2).reshape(*stats_shape(q, b, sq)).contiguous()]
 
 
-def _sum_parts(parts: List[torch.Tensor]) -> torch.Tensor:
-    """The parts added into the first (each a fresh op output, so in place is safe); exact
-    where all parts but one hold 0."""
-    total = parts[0]
-    for part in parts[1:]:
-        total = total.add_(part)
-    return total
+def _buffer(like: torch.Tensor, shape, problem: KernelProblem, key_side: bool = False) -> torch.Tensor:
+    """An output or gradient buffer for the runs to write into: empty only where every row the
+    runs leave unwritten is known to be zeroed afterwards, zero-filled elsewhere.
+
+    Empty: a dense problem without valid lengths (the runs write every row), and the packed
+    rows of the module's problems (``rows_q``/``rows_kv``: ``zero_gap_rows`` zeroes the rows no
+    sequence owns). For dK/dV that also needs each run's key lengths to be its query lengths
+    (one tensor): a sequence with keys but no queries (cross attention) owns key rows whose
+    gradient is 0, and whether cuDNN writes those zeros was not probed. Zero-filled: a dense
+    problem with valid lengths (padding rows), and the span calls of context parallelism."""
+    known = problem.rows_q is not None and not (key_side and any(r.seqused_kv is not r.seqused_q for r in problem.runs))
+    if known or not (problem.varlen or any(r.seqused_q is not None for r in problem.runs)):
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    return torch.zeros(shape, dtype=like.dtype, device=like.device)
 
 
 def _run_args(problem: KernelProblem, run: KernelRun) -> tuple:
@@ -241,6 +258,7 @@ def cudnn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    out: torch.Tensor,
     offsets_q: Optional[torch.Tensor],
     offsets_kv: Optional[torch.Tensor],
     seqlens_q: Optional[torch.Tensor],
@@ -258,8 +276,9 @@ def cudnn_fwd(
     alibi: bool = False,
     dropout_p: float = 0.0,
     sink: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Returns out (like q, head dim of v; rows the kernel skips are 0) and stats [B, H, SQ, 1].
+) -> torch.Tensor:
+    """Writes ``out`` (like q, head dim of v) in the rows it runs, leaving the others untouched,
+    and returns stats [B, H, SQ, 1] float32.
 
     ``bias`` [B|1, H|1, SQ, SKV] is added after scaling; ``alibi`` adds cuDNN's own ALiBi (its
     standard slopes; needs a causal mask); ``dropout_p`` > 0 drops probabilities with the
@@ -269,7 +288,6 @@ def cudnn_fwd(
     b, sq, skv = batch_size, max(max_seqlen_q, 1), max(max_seqlen_kv, 1)
     band = _band_kwargs(causal, window_left, window_right, bottom_right)
     features = (bias, alibi, dropout_p, sink)
-    out = q.new_zeros(*q.shape[:-1], v.shape[-1])
     stats = q.new_empty(stats_shape(q, batch_size, max_seqlen_q), dtype=torch.float32)
     key = ("fwd", q.dtype, b, sq, skv, q.shape[1:], k.shape[1:], v.shape[1:], q.stride(), k.stride(), v.stride(),
            out.stride(), softmax_scale, _band_key(band), varlen, padded, _feature_key(*features), q.device)
@@ -279,14 +297,14 @@ def cudnn_fwd(
     pack.update(_feature_pack(bias, rng, dropout_p, sink))
     build = lambda h: _build_fwd(h, q, k, v, out, b, sq, skv, softmax_scale, band, varlen, padded, features)  # noqa: E731
     _run_graph(key, build, pack, q.device)
-    return out, stats
+    return stats
 
 
-def _cudnn_fwd_fake(q, k, v, offsets_q, offsets_kv, seqlens_q, seqlens_kv, batch_size, max_seqlen_q, *args):
-    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(stats_shape(q, batch_size, max_seqlen_q), dtype=torch.float32)
+def _cudnn_fwd_fake(q, k, v, out, offsets_q, offsets_kv, seqlens_q, seqlens_kv, batch_size, max_seqlen_q, *args):
+    return q.new_empty(stats_shape(q, batch_size, max_seqlen_q), dtype=torch.float32)
 
 
-kernel_ops.register("cudnn_fwd", cudnn_fwd, (), _cudnn_fwd_fake)
+kernel_ops.register("cudnn_fwd", cudnn_fwd, ("out",), _cudnn_fwd_fake)
 
 
 def stats_shape(q: torch.Tensor, batch_size: int, max_seqlen_q: int) -> Tuple[int, int, int, int]:
@@ -300,6 +318,9 @@ def cudnn_bwd(
     v: torch.Tensor,
     out: torch.Tensor,
     stats: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
     offsets_q: Optional[torch.Tensor],
     offsets_kv: Optional[torch.Tensor],
     seqlens_q: Optional[torch.Tensor],
@@ -320,13 +341,13 @@ def cudnn_bwd(
     sink: Optional[torch.Tensor] = None,
     need_dbias: bool = False,
     need_dsink: bool = False,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns dq/dk/dv (contiguous; rows the kernel skips are 0), dbias (like ``bias`` when
-    ``need_dbias``) and dsink (float32 [H] when ``need_dsink``; else each is an empty tensor);
-    ``dout`` needs ``out``'s strides. ``bias``, ``rng``, ``alibi``, ``dropout_p`` and ``sink``
-    must be those of the forward."""
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Writes ``dq``/``dk``/``dv`` (contiguous, q's/k's/v's shapes) in the rows it runs, leaving
+    the others untouched, and returns dbias (like ``bias`` when ``need_dbias``) and dsink
+    (float32 [H] when ``need_dsink``; else each is an empty tensor); ``dout`` needs ``out``'s
+    strides. ``bias``, ``rng``, ``alibi``, ``dropout_p`` and ``sink`` must be those of the
+    forward."""
     varlen, padded = offsets_q is not None, seqlens_q is not None
-    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device) if need_dbias and bias is not None else None
     dsink = torch.zeros(sink.shape, dtype=torch.float32, device=sink.device) if need_dsink and sink is not None else None
     b, sq, skv = batch_size, max(max_seqlen_q, 1), max(max_seqlen_kv, 1)
@@ -347,18 +368,18 @@ def cudnn_bwd(
     build = lambda h: _build_bwd(h, q, k, v, out, dout, dq, dk, dv, (dbias, dsink), b, sq, skv, softmax_scale, band,  # noqa: E731
                                  varlen, padded, deterministic, features)
     _run_graph(key, build, pack, q.device)
-    return dq, dk, dv, *(t if t is not None else q.new_empty(0) for t in (dbias, dsink))
+    return tuple(t if t is not None else q.new_empty(0) for t in (dbias, dsink))
 
 
-def _cudnn_bwd_fake(dout, q, k, v, out, stats, offsets_q, offsets_kv, seqlens_q, seqlens_kv, batch_size, max_seqlen_q,
+def _cudnn_bwd_fake(dout, q, k, v, out, stats, dq, dk, dv, offsets_q, offsets_kv, seqlens_q, seqlens_kv, batch_size, max_seqlen_q,
                     max_seqlen_kv, softmax_scale, causal, window_left, window_right, bottom_right, deterministic, bias=None,
                     rng=None, alibi=False, dropout_p=0.0, sink=None, need_dbias=False, need_dsink=False):
     dbias = bias.new_empty(bias.shape) if need_dbias and bias is not None else q.new_empty(0)
     dsink = sink.new_empty(sink.shape, dtype=torch.float32) if need_dsink and sink is not None else q.new_empty(0)
-    return (*(q.new_empty(t.shape) for t in (q, k, v)), dbias, dsink)
+    return dbias, dsink
 
 
-kernel_ops.register("cudnn_bwd", cudnn_bwd, (), _cudnn_bwd_fake)
+kernel_ops.register("cudnn_bwd", cudnn_bwd, ("dq", "dk", "dv"), _cudnn_bwd_fake)
 
 
 # ------------------------------------------------------------------ graphs: building and caching
