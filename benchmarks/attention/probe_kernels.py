@@ -104,15 +104,17 @@ def probe_cudnn_writes(q, k, v, offsets, lens, used, causal, gap_rows, skipped):
         print(f"[writes] cuDNN {name} causal={causal}: rows {int(rows.sum())}: written (not NaN) out {written(out, rows)} "
               f"dq {written(dq, rows)} dk {written(dk, rows)} dv {written(dv, rows)}; of them zero: out {zero(out)} "
               f"dq {zero(dq)} dk {zero(dk)} dv {zero(dv)}")
-    # Keys but no queries (cross attention): is dK/dV of those keys written (0) or left as it was?
-    out, dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, q, k, v))
-    stats = ops.cudnn_fwd(q, k, v, out, offsets, offsets, used, lens, b, m, m, D ** -0.5, causal, -1, -1, False)
-    ops.cudnn_bwd(torch.randn_like(out).nan_to_num(0), q, k, v, out.nan_to_num(0), stats, dq, dk, dv, offsets, offsets,
-                  used, lens, b, m, m, D ** -0.5, causal, -1, -1, False, False)
-    keys = skipped & ~gap_rows  # the key rows of the sequences run without queries
-    zero = lambda t: int((t[keys] == 0).all(dim=2).all(dim=1).sum())  # noqa: E731
-    print(f"[writes] cuDNN no queries for half causal={causal}: their key rows {int(keys.sum())}: written (not NaN) "
-          f"dk {written(dk, keys)} dv {written(dv, keys)}; of them zero: dk {zero(dk)} dv {zero(dv)}")
+    # A side empty (cross attention): are the other side's rows written (0) or left as they were?
+    rows = skipped & ~gap_rows  # the valid rows of the sequences run with one side empty
+    zero = lambda t: int((t[rows] == 0).all(dim=2).all(dim=1).sum())  # noqa: E731
+    for name, len_q, len_kv in (("no queries", used, lens), ("no keys", lens, used)):
+        out, dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, q, k, v))
+        stats = ops.cudnn_fwd(q, k, v, out, offsets, offsets, len_q, len_kv, b, m, m, D ** -0.5, causal, -1, -1, False)
+        ops.cudnn_bwd(torch.randn_like(out).nan_to_num(0), q, k, v, out.nan_to_num(0), stats, dq, dk, dv, offsets, offsets,
+                      len_q, len_kv, b, m, m, D ** -0.5, causal, -1, -1, False, False)
+        print(f"[writes] cuDNN {name} for half causal={causal}: their rows {int(rows.sum())}: written (not NaN) "
+              f"out {written(out, rows)} dq {written(dq, rows)} dk {written(dk, rows)} dv {written(dv, rows)}; of them "
+              f"zero: out {zero(out)} dq {zero(dq)} dk {zero(dk)} dv {zero(dv)}")
 
 
 def probe_leaks():

@@ -139,7 +139,7 @@ class StandIn:
                                              max_kv=max_kv, mask=(causal, left, right, bottom_right), stats=stats)))
         qr, kr, vr, orows = _rows(q), _rows(k), _rows(v), _rows(out)
         for i, (oq, ok, n, m) in enumerate(_seqs(off_q, off_kv, len_q, len_kv, b, max_q, max_kv)):
-            if n:
+            if n and m:  # a sequence with an empty side: nothing written (not probed on cuDNN)
                 allowed = _allowed(n, m, causal, left, right, m - n if bottom_right else 0)
                 o, l_ = _seq_fwd(qr[oq:oq + n], kr[ok:ok + m], vr[ok:ok + m], allowed)
                 orows[oq:oq + n], stats[i, :, :n, 0] = o.to(out.dtype), l_.float()
@@ -152,7 +152,7 @@ class StandIn:
         grads = [dq, dk, dv]
         rows = [_rows(t) for t in (dout, q, k, v, out, *grads)]
         for i, (oq, ok, n, m) in enumerate(_seqs(off_q, off_kv, len_q, len_kv, b, max_q, max_kv)):
-            if n:
+            if n and m:
                 d, qq, kk, vv, oo, gq, gk, gv = rows
                 allowed = _allowed(n, m, causal, left, right, m - n if bottom_right else 0)
                 got = _seq_bwd(d[oq:oq + n], qq[oq:oq + n], kk[ok:ok + m], vv[ok:ok + m], oo[oq:oq + n],
@@ -294,15 +294,17 @@ def test_module_thd_cudnn_runs(lib, gaps, policies):
     assert {f["mask"][0]: f["len_q"].tolist() for f in fwds} == lengths
 
 
-def test_module_thd_cudnn_cross_attention_with_a_query_less_sequence(lib):
-    """Cross attention where one sequence has keys but no queries: its dK/dV rows are 0. The
-    stand-in, like cuDNN as far as was probed, writes nothing for a sequence without query
-    rows, so the kernel must not hand it an empty dK/dV buffer there."""
-    p = make_thd([4, 0, 3], [5, 6, 2], h=H, hg=HG, d=D, tail=1)
+def test_module_thd_cudnn_cross_attention_with_empty_sides(lib):
+    """Cross attention where one sequence has keys but no queries and another queries but no
+    keys: the first's dK/dV rows and the second's output and dQ rows are 0. The stand-in, like
+    cuDNN as far as was probed, writes nothing for a sequence with an empty side, so the kernel
+    must not hand those rows an empty (garbage) buffer."""
+    p = make_thd([4, 0, 3], [5, 6, 0], h=H, hg=HG, d=D, tail=1)
     out, grads = _module_parity("FusedAttention", [p.q, p.k, p.v], p.kwargs(False, 4, 6), qkv_format="thd",
                                 attn_mask_type="padding")
     assert torch.all(grads[1][5:11] == 0) and torch.all(grads[2][5:11] == 0)  # sequence 1's keys
-    assert all(torch.all(t[~p.valid_kv] == 0) for t in grads[1:])
+    assert torch.all(out[4:7] == 0) and torch.all(grads[0][4:7] == 0)  # sequence 2's queries
+    assert torch.all(out[~p.valid_q] == 0) and all(torch.all(t[~p.valid_kv] == 0) for t in grads[1:])
 
 
 @pytest.mark.parametrize("gaps", [False, True])

@@ -182,7 +182,7 @@ class _CudnnKernel:
     @staticmethod
     def backward(dout, q, k, v, out, stats, problem: KernelProblem, features: ScoreFeatures, need_dbias: bool):
         det = torch.are_deterministic_algorithms_enabled()
-        dq, dk, dv = _buffer(q, q.shape, problem), _buffer(k, k.shape, problem, True), _buffer(v, v.shape, problem, True)
+        dq, dk, dv = (_buffer(t, t.shape, problem) for t in (q, k, v))
         grads = [kernel_ops.ops.cudnn_bwd(dout, q, k, v, out, st, dq, dk, dv, *_run_args(problem, run), det,
                                           *features.cudnn_args(), need_dbias, features.need_dsink)
                  for run, st in zip(problem.runs, stats)]
@@ -215,17 +215,18 @@ class _CudnnKernel:
         return [lse[:, index.flatten()].view(h, b, sq).permute(1, 0, 2).reshape(*stats_shape(q, b, sq)).contiguous()]
 
 
-def _buffer(like: torch.Tensor, shape, problem: KernelProblem, key_side: bool = False) -> torch.Tensor:
+def _buffer(like: torch.Tensor, shape, problem: KernelProblem) -> torch.Tensor:
     """An output or gradient buffer for the runs to write into: empty only where every row the
     runs leave unwritten is known to be zeroed afterwards, zero-filled elsewhere.
 
     Empty: a dense problem without valid lengths (the runs write every row), and the packed
     rows of the module's problems (``rows_q``/``rows_kv``: ``zero_gap_rows`` zeroes the rows no
-    sequence owns). For dK/dV that also needs each run's key lengths to be its query lengths
-    (one tensor): a sequence with keys but no queries (cross attention) owns key rows whose
-    gradient is 0, and whether cuDNN writes those zeros was not probed. Zero-filled: a dense
-    problem with valid lengths (padding rows), and the span calls of context parallelism."""
-    known = problem.rows_q is not None and not (key_side and any(r.seqused_kv is not r.seqused_q for r in problem.runs))
+    sequence owns) where each run's key lengths are its query lengths (one tensor). Otherwise a
+    sequence may have queries but no keys, or keys but no queries (cross attention): its rows
+    are owned and must come out 0, and whether cuDNN writes those zeros was not probed.
+    Zero-filled: those, a dense problem with valid lengths (padding rows), and the span calls
+    of context parallelism."""
+    known = problem.rows_q is not None and all(r.seqused_kv is r.seqused_q for r in problem.runs)
     if known or not (problem.varlen or any(r.seqused_q is not None for r in problem.runs)):
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     return torch.zeros(shape, dtype=like.dtype, device=like.device)
