@@ -8,7 +8,7 @@
 3. What FA4's ``seqused`` costs against the same batch without it, what the extra passes
    (memset, where, clone, zero_gap_rows) cost, and FA4's public function against our op.
 
-    python benchmarks/attention/probe_kernels.py [--steps writes,leaks,empty_kv,costs,direct,graph]
+    python benchmarks/attention/probe_kernels.py [--steps writes,cudnn_writes_det,leaks,empty_kv,costs,direct,graph]
 """
 
 from __future__ import annotations
@@ -91,30 +91,35 @@ def probe_writes():
         probe_cudnn_writes(q, k, v, offsets, lens, used, causal, gap_rows, skipped)
 
 
-def probe_cudnn_writes(q, k, v, offsets, lens, used, causal, gap_rows, skipped):
+def probe_cudnn_writes(q, k, v, offsets, lens, used, causal, gap_rows, skipped, deterministic=False):
     """Whether cuDNN leaves rows outside its sequences untouched (then several policies' calls
-    could share one buffer, with no zero-fill per call and no sum) or writes them (zeros)."""
-    m, b = max(LENGTHS), len(LENGTHS)
-    for name, seqlens, rows in (("gaps", lens, gap_rows), ("seq_len=0 for half", used, skipped)):
+    can share one buffer, with no zero-fill per call and no sum) or writes them (zeros); also
+    for sequences with one side empty (cross attention), and in the deterministic backward."""
+    rows_run = skipped & ~gap_rows  # the valid rows of the sequences run with a side empty
+    cases = (("gaps", lens, lens, gap_rows), ("seq_len=0 for half", used, used, skipped),
+             ("no queries for half", used, lens, rows_run), ("no keys for half", lens, used, rows_run))
+    for name, len_q, len_kv, rows in cases:
         out, dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, q, k, v))
-        stats = ops.cudnn_fwd(q, k, v, out, offsets, offsets, seqlens, seqlens, b, m, m, D ** -0.5, causal, -1, -1, False)
-        ops.cudnn_bwd(torch.randn_like(out).nan_to_num(0), q, k, v, out.nan_to_num(0), stats, dq, dk, dv, offsets, offsets,
-                      seqlens, seqlens, b, m, m, D ** -0.5, causal, -1, -1, False, False)
-        zero = lambda t: int((t[rows] == 0).all(dim=2).all(dim=1).sum())  # noqa: E731
-        print(f"[writes] cuDNN {name} causal={causal}: rows {int(rows.sum())}: written (not NaN) out {written(out, rows)} "
-              f"dq {written(dq, rows)} dk {written(dk, rows)} dv {written(dv, rows)}; of them zero: out {zero(out)} "
-              f"dq {zero(dq)} dk {zero(dk)} dv {zero(dv)}")
-    # A side empty (cross attention): are the other side's rows written (0) or left as they were?
-    rows = skipped & ~gap_rows  # the valid rows of the sequences run with one side empty
-    zero = lambda t: int((t[rows] == 0).all(dim=2).all(dim=1).sum())  # noqa: E731
-    for name, len_q, len_kv in (("no queries", used, lens), ("no keys", lens, used)):
-        out, dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, q, k, v))
+        m, b = max(LENGTHS), len(LENGTHS)
         stats = ops.cudnn_fwd(q, k, v, out, offsets, offsets, len_q, len_kv, b, m, m, D ** -0.5, causal, -1, -1, False)
         ops.cudnn_bwd(torch.randn_like(out).nan_to_num(0), q, k, v, out.nan_to_num(0), stats, dq, dk, dv, offsets, offsets,
-                      len_q, len_kv, b, m, m, D ** -0.5, causal, -1, -1, False, False)
-        print(f"[writes] cuDNN {name} for half causal={causal}: their rows {int(rows.sum())}: written (not NaN) "
-              f"out {written(out, rows)} dq {written(dq, rows)} dk {written(dk, rows)} dv {written(dv, rows)}; of them "
-              f"zero: out {zero(out)} dq {zero(dq)} dk {zero(dk)} dv {zero(dv)}")
+                      len_q, len_kv, b, m, m, D ** -0.5, causal, -1, -1, False, deterministic)
+        zero = lambda t: int((t[rows] == 0).all(dim=2).all(dim=1).sum())  # noqa: E731
+        print(f"[writes] cuDNN{' deterministic' if deterministic else ''} {name} causal={causal}: rows {int(rows.sum())}: "
+              f"written (not NaN) out {written(out, rows)} dq {written(dq, rows)} dk {written(dk, rows)} "
+              f"dv {written(dv, rows)}; of them zero: out {zero(out)} dq {zero(dq)} dk {zero(dk)} dv {zero(dv)}")
+
+
+def probe_cudnn_writes_deterministic():
+    """:func:`probe_cudnn_writes` with cuDNN's deterministic backward (what
+    torch.use_deterministic_algorithms(True) selects), cuDNN alone."""
+    lens = torch.tensor(LENGTHS, dtype=torch.int32, device="cuda")
+    offsets, valid = layout(GAPS)
+    q, k, v = inputs(offsets[-1].item())
+    half = torch.arange(len(LENGTHS), device="cuda") % 2 == 0
+    skipped = ~torch.repeat_interleave(half, torch.tensor([n + g for n, g in zip(LENGTHS, GAPS)], device="cuda"))
+    for causal in (True, False):
+        probe_cudnn_writes(q, k, v, offsets, lens, torch.where(half, lens, 0), causal, ~valid, skipped, deterministic=True)
 
 
 def probe_leaks():
@@ -252,7 +257,7 @@ def probe_graph():
             return
 
 
-STEPS = {"writes": lambda: probe_writes(), "leaks": lambda: probe_leaks(), "empty_kv": lambda: probe_empty_kv(),
+STEPS = {"writes": lambda: probe_writes(), "cudnn_writes_det": lambda: probe_cudnn_writes_deterministic(), "leaks": lambda: probe_leaks(), "empty_kv": lambda: probe_empty_kv(),
          "costs": lambda: probe_costs(), "direct": lambda: probe_direct_vs_op(), "graph": lambda: probe_graph()}
 
 

@@ -180,7 +180,7 @@ def test_policy_calls_share_buffers_without_row_owners(monkeypatch):
     ops = _RowWritingOps()
     monkeypatch.setattr(kernel_ops, "ops", ops)
     monkeypatch.setattr(varlen, "_owners", lambda inp: pytest.fail("row owners made"))
-    p = make_thd([5, 3, 6], gaps_q=[2, 0, 1], h=4, hg=4, d=8, dtype=torch.bfloat16)
+    p = make_thd([5, 3, 6], gaps_q=[2, 0, 1], h=4, hg=4, d=8, dtype=torch.bfloat16, tail=2)
     for t in (p.q, p.k, p.v):
         t.requires_grad_()
     kwargs = dict(p.kwargs(True, 6, 6, shared=True), thd_sequence_is_causal=torch.tensor([True, False, True]))

@@ -357,7 +357,7 @@ def test_bounded_kv_lengths_follow_the_kv_slots_when_cu_seqlens_are_shared():
 
 def test_unclaimed_sequence_attends_nothing_on_the_gathered_unfused_path(monkeypatch):
     """An id the policies miss (unchecked on CUDA) leaves its sequence with no policy: the
-    gathered path must give it 0, as the kernels do, not the last policy's mask."""
+    gathered path must give it 0 (the kernels run it in no call), not the last policy's mask."""
     from transformer_engine.pytorch.attention.dot_product_attention import thd
 
     monkeypatch.setenv("NVTE_UNFUSED_THD_GATHER", "1")

@@ -5,8 +5,9 @@ parallelism (``spans.SpanAdapter``, a one-run problem per span call).
 The FA4 and cuDNN ops are replaced by a float64 stand-in library that records every call's
 arguments and computes it per sequence with each library's documented semantics: FA4 writes
 only the rows it runs (the rest hold NaN here) and an LSE [H, T] by physical row; cuDNN too
-writes only the rows it runs, leaving the others as the caller made them (``torch.empty``
-returns NaN-filled floating tensors here, so an unwritten row of an empty buffer shows), and
+writes only the rows it runs, leaving the others as the caller made them (the tests run in
+deterministic mode, where torch NaN-fills uninitialized memory, so an unwritten row of an
+empty buffer shows; like cuDNN, it leaves a query row that sees no key unwritten), and
 returns stats [B, H, SQ, 1] by position (NaN past each length); both
 backwards use the LSE/stats they are given (as the real ones do, so context parallelism's
 final LSE reaches them). Results are compared with the unfused span kernel and backend."""
@@ -139,10 +140,11 @@ class StandIn:
                                              max_kv=max_kv, mask=(causal, left, right, bottom_right), stats=stats)))
         qr, kr, vr, orows = _rows(q), _rows(k), _rows(v), _rows(out)
         for i, (oq, ok, n, m) in enumerate(_seqs(off_q, off_kv, len_q, len_kv, b, max_q, max_kv)):
-            if n and m:  # a sequence with an empty side: nothing written (not probed on cuDNN)
+            if n and m:  # a sequence with an empty side: nothing written
                 allowed = _allowed(n, m, causal, left, right, m - n if bottom_right else 0)
                 o, l_ = _seq_fwd(qr[oq:oq + n], kr[ok:ok + m], vr[ok:ok + m], allowed)
-                orows[oq:oq + n], stats[i, :, :n, 0] = o.to(out.dtype), l_.float()
+                seen = allowed.any(dim=1)  # cuDNN leaves a row that sees no key unwritten
+                orows[oq:oq + n][seen], stats[i, :, :n, 0] = o[seen].to(out.dtype), l_.float()
         return stats
 
     def cudnn_bwd(self, dout, q, k, v, out, stats, dq, dk, dv, off_q, off_kv, len_q, len_kv, b, max_q, max_kv, scale,
@@ -172,14 +174,13 @@ def lib(monkeypatch):
     stand_in.zero_gap_rows = gap_rows.zero_gap_rows
     stand_in.zero_gap_rows_qkv = gap_rows.zero_gap_rows_qkv
     monkeypatch.setattr(kernel_ops, "ops", stand_in)
-    empty = torch.empty
-
-    def garbage(*args, **kwargs):  # an empty buffer's unwritten rows are garbage, never silently 0
-        t = empty(*args, **kwargs)
-        return t.fill_(math.nan) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", garbage)
-    return stand_in
+    # An empty buffer's unwritten rows are garbage, never silently 0: in deterministic mode torch
+    # fills every uninitialized float tensor (empty, new_empty, empty_like) with NaN.
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    assert torch.utils.deterministic.fill_uninitialized_memory
+    yield stand_in
+    torch.use_deterministic_algorithms(was)
 
 
 # ------------------------------------------------------------------ context parallelism: one-run problems
@@ -296,9 +297,10 @@ def test_module_thd_cudnn_runs(lib, gaps, policies):
 
 def test_module_thd_cudnn_cross_attention_with_empty_sides(lib):
     """Cross attention where one sequence has keys but no queries and another queries but no
-    keys: the first's dK/dV rows and the second's output and dQ rows are 0. The stand-in, like
-    cuDNN as far as was probed, writes nothing for a sequence with an empty side, so the kernel
-    must not hand those rows an empty (garbage) buffer."""
+    keys: the first's dK/dV rows and the second's output and dQ rows are 0. The stand-in writes
+    nothing for a sequence with an empty side (stricter than cuDNN, which leaves only the output
+    rows of a sequence without keys unwritten), so the kernel must not hand those rows an empty
+    (garbage) buffer."""
     p = make_thd([4, 0, 3], [5, 6, 0], h=H, hg=HG, d=D, tail=1)
     out, grads = _module_parity("FusedAttention", [p.q, p.k, p.v], p.kwargs(False, 4, 6), qkv_format="thd",
                                 attn_mask_type="padding")
@@ -350,6 +352,21 @@ def test_module_dense_padding_lengths_made_once(lib):
     assert fwd["off_q"] is None and fwd["b"] == 2 and (fwd["max_q"], fwd["max_kv"]) == (6, 6)
     assert fwd["len_q"].tolist() == [4, 6] and fwd["len_q"].dtype == torch.int32
     assert bwd["len_q"] is fwd["len_q"] and bwd["len_kv"] is fwd["len_kv"]
+
+
+@pytest.mark.parametrize("sq,skv,mask", [(6, 3, "causal_bottom_right"), (3, 6, "causal"), (5, 5, "causal"), (4, 6, "no_mask")])
+def test_module_dense_rows_that_see_no_key(lib, sq, skv, mask):
+    """Dense cuDNN calls without a padding mask: with a band and sq != skv some query rows see
+    no key (bottom-right, sq > skv) or some keys no query (top-left, sq < skv); those output rows
+    and dK/dV rows are 0, though cuDNN leaves such output rows unwritten (the stand-in too)."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, s, h, D, generator=g, dtype=torch.float64, requires_grad=True)
+               for s, h in ((sq, H), (skv, HG), (skv, HG)))
+    out, grads = _module_parity("FusedAttention", [q, k, v], {}, qkv_format="bshd", attn_mask_type=mask)
+    if mask == "causal_bottom_right":
+        assert torch.all(out[:, :sq - skv] == 0) and torch.all(grads[0][:, :sq - skv] == 0)
+    if sq < skv and mask == "causal":
+        assert torch.all(grads[1][:, sq:] == 0) and torch.all(grads[2][:, sq:] == 0)
 
 
 def test_cudnn_run_without_lengths_reads_them_from_the_offsets():

@@ -63,7 +63,9 @@ class KernelProblem(NamedTuple):
     that: ``rows_q``/``rows_kv`` (a packed batch's (cu_seqlens, slot offsets), for kernels
     that leave skipped rows unwritten; None where the caller zeroes them itself, as context
     parallelism does with its spans' covered rows). FA4 and cuDNN both leave skipped rows
-    unwritten, so every run of a problem writes into one set of buffers."""
+    unwritten, so every run of a problem writes into one set of buffers (cuDNN also leaves
+    a query row that sees no key unwritten: its buffers start zero-filled where that can
+    happen, see ``backends/cudnn.py``)."""
 
     runs: Sequence[KernelRun]
     max_seqlen_q: int

@@ -261,7 +261,9 @@ def _seq_bands(inp: AttentionInputs, device) -> Tuple[torch.Tensor, torch.Tensor
 
     Built on the device from host constants (a tensor made from a Python list and moved to CUDA
     would be a blocking copy: a sync). A sequence no policy claims (an out-of-range id, unchecked
-    on CUDA) keeps left = -UNBOUNDED: it attends nothing and comes out 0, as the kernels leave it."""
+    on CUDA) keeps left = -UNBOUNDED: it attends nothing and comes out 0. (The FA4 and cuDNN
+    kernels run it in no call, so its rows stay unwritten there: wrong but bounded, like all
+    unchecked bad metadata.)"""
     b = inp.packed_q.batch_size
 
     def full(value, dtype=torch.int64):

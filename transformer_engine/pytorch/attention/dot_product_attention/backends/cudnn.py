@@ -216,20 +216,28 @@ class _CudnnKernel:
 
 
 def _buffer(like: torch.Tensor, shape, problem: KernelProblem) -> torch.Tensor:
-    """An output or gradient buffer for the runs to write into: empty only where every row the
-    runs leave unwritten is known to be zeroed afterwards, zero-filled elsewhere.
-
-    Empty: a dense problem without valid lengths (the runs write every row), and the packed
-    rows of the module's problems (``rows_q``/``rows_kv``: ``zero_gap_rows`` zeroes the rows no
-    sequence owns) where each run's key lengths are its query lengths (one tensor). Otherwise a
-    sequence may have queries but no keys, or keys but no queries (cross attention): its rows
-    are owned and must come out 0, and whether cuDNN writes those zeros was not probed.
-    Zero-filled: those, a dense problem with valid lengths (padding rows), and the span calls
-    of context parallelism."""
-    known = problem.rows_q is not None and all(r.seqused_kv is r.seqused_q for r in problem.runs)
-    if known or not (problem.varlen or any(r.seqused_q is not None for r in problem.runs)):
+    """An output or gradient buffer for the runs to write into: empty where the runs write every
+    row or the rows they leave are zeroed afterwards, zero-filled elsewhere."""
+    if _runs_cover_every_row(problem):
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     return torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+
+def _runs_cover_every_row(problem: KernelProblem) -> bool:
+    """Whether every row a run does not write is a row no sequence owns, zeroed afterwards.
+
+    cuDNN leaves a query row that sees no key unwritten in the output (it writes dQ, dK and dV
+    as zeros where a side is empty; benchmarks/results/2026-12-03-h200/s4/), so that holds where
+    each row sees a key: packed rows of the module's problems (``rows_q``/``rows_kv``, zeroed by
+    ``zero_gap_rows``) whose runs share one lengths tensor for queries and keys (sq == skv per
+    sequence, each row sees its own diagonal), and dense problems without valid lengths and
+    either no band or sq == skv. Elsewhere (cross attention, dense padding, bands with
+    sq != skv, the span calls of context parallelism) a row may see no key: zero-filled."""
+    if problem.varlen:
+        return problem.rows_q is not None and all(
+            r.seqused_q is not None and r.seqused_kv is r.seqused_q for r in problem.runs)
+    return all(r.seqused_q is None and (not r.spec.has_band or problem.max_seqlen_q == problem.max_seqlen_kv)
+               for r in problem.runs)
 
 
 def _run_args(problem: KernelProblem, run: KernelRun) -> tuple:

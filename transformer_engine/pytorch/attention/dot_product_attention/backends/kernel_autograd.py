@@ -48,7 +48,7 @@ class KernelCall:
 
 class _KernelAttention(torch.autograd.Function):
     """FA4 and cuDNN through their custom ops; ``call.kernel`` translates the arguments and
-    decides how the calls of several policies are combined (see each kernel class)."""
+    runs the calls of several policies into one set of buffers (see each kernel class)."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, sink, call: KernelCall):
