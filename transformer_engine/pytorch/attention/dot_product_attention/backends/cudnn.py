@@ -172,21 +172,23 @@ class _CudnnKernel:
     def forward(q, k, v, problem: KernelProblem, features: ScoreFeatures, need_stats: bool):
         # need_stats is not used: the graphs always generate stats (an inference variant would be
         # a second cached graph per configuration, for a store of [B, H, SQ] floats).
-        out = _buffer(q, (*q.shape[:-1], v.shape[-1]), problem)
+        empty = _runs_cover_every_row(problem)
+        out = _buffer(q, (*q.shape[:-1], v.shape[-1]), empty)
         stats = [kernel_ops.ops.cudnn_fwd(q, k, v, out, *_run_args(problem, run), *features.cudnn_args())
                  for run in problem.runs]
-        if problem.rows_q is not None:
+        if empty and problem.rows_q is not None:  # a zero-filled buffer's unowned rows are 0 already
             kernel_ops.ops.zero_gap_rows(out, *problem.rows_q, -1)
         return out, stats
 
     @staticmethod
     def backward(dout, q, k, v, out, stats, problem: KernelProblem, features: ScoreFeatures, need_dbias: bool):
         det = torch.are_deterministic_algorithms_enabled()
-        dq, dk, dv = (_buffer(t, t.shape, problem) for t in (q, k, v))
+        empty = _runs_cover_every_row(problem)
+        dq, dk, dv = (_buffer(t, t.shape, empty) for t in (q, k, v))
         grads = [kernel_ops.ops.cudnn_bwd(dout, q, k, v, out, st, dq, dk, dv, *_run_args(problem, run), det,
                                           *features.cudnn_args(), need_dbias, features.need_dsink)
                  for run, st in zip(problem.runs, stats)]
-        if problem.rows_q is not None:
+        if empty and problem.rows_q is not None:
             kernel_ops.ops.zero_gap_rows_qkv(dq, dk, dv, *problem.rows_q, *problem.rows_kv, -1)
         dbias = grads[0][0] if need_dbias else None  # a bias never meets per-sequence policies
         dsink = None
@@ -215,10 +217,11 @@ class _CudnnKernel:
         return [lse[:, index.flatten()].view(h, b, sq).permute(1, 0, 2).reshape(*stats_shape(q, b, sq)).contiguous()]
 
 
-def _buffer(like: torch.Tensor, shape, problem: KernelProblem) -> torch.Tensor:
+def _buffer(like: torch.Tensor, shape, empty: bool) -> torch.Tensor:
     """An output or gradient buffer for the runs to write into: empty where the runs write every
-    row or the rows they leave are zeroed afterwards, zero-filled elsewhere."""
-    if _runs_cover_every_row(problem):
+    row or the rows they leave are zeroed afterwards (:func:`_runs_cover_every_row`), else
+    zero-filled."""
+    if empty:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     return torch.zeros(shape, dtype=like.dtype, device=like.device)
 
