@@ -8,8 +8,12 @@
 # BEFORE may also be a directory holding transformer_engine/ and transformer_engine_torch/ (the
 # device's copy of the checkout has no git history: extract it here with `git archive` and
 # carry the directory).
+#
+# The harness (profile_small.py) is the working tree's: its direct cuDNN calls use the ops that
+# take their buffers (551eb0f on), so an older BEFORE has no matching cuDNN op; profile_small
+# then fails and so does this script.
 # Writes OUT_DIR/host_before_N.log and host_after_N.log ([small] lines of profile_small.py).
-set -eu
+set -euo pipefail  # a crashed profile run must fail the script, not leave a short log
 commit=$1 out=$2 runs=${3:-2}
 if [ -d "$commit" ]; then
   old=$(cd "$commit" && pwd) keep=1

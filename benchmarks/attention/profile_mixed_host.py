@@ -124,13 +124,15 @@ def _calls(device: str) -> Dict[str, Callable[[], torch.Tensor]]:
 
 
 def _host_us(fn: Callable, iters: int, device: str) -> float:
+    """Median host time of one call, each from an idle GPU on CUDA (as profile_small.host_us:
+    with queued work a launch can wait for the GPU, and "host" time would include GPU time)."""
     times = []
-    for i in range(iters):
-        if device == "cuda" and i % 20 == 0:
-            torch.cuda.synchronize()  # keep the queue short: a full one would block the host
+    for _ in range(iters):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
+        if device == "cuda":
+            torch.cuda.synchronize()  # outside the timed span
     return statistics.median(times) * 1e6
 
 

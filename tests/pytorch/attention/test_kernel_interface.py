@@ -341,6 +341,22 @@ def test_module_thd_several_policies(lib, backend, compact, gaps, monkeypatch):
     assert sorted(used) == ([[3], [5, 6]] if compact == "1" else [[0, 3, 0], [5, 0, 6]])
 
 
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("compact", ["0", "1"])
+@pytest.mark.parametrize("gaps", [False, True])
+def test_module_thd_several_policies_cross_attention(lib, backend, compact, gaps, monkeypatch):
+    """Several policies with keys laid out apart from the queries (their own lengths, gaps and
+    offsets): each run must take the keys' offsets and lengths, not the queries'."""
+    monkeypatch.setenv("NVTE_THD_POLICY_COMPACT", compact)
+    p = make_thd([5, 3, 6], [4, 7, 2], gaps_q=[2, 0, 1] if gaps else None, gaps_kv=[1, 3, 0] if gaps else None,
+                 h=H, hg=HG, d=D, tail=2)
+    kwargs = p.kwargs(gaps, 6, 7)
+    kwargs["attn_mask_type_per_seq"] = {"padding_causal_bottom_right": torch.tensor([0, 2]), "padding": torch.tensor([1])}
+    out, grads = _module_parity(BACKENDS[backend], [p.q, p.k, p.v], kwargs, qkv_format="thd", attn_mask_type="padding")
+    assert torch.all(out[~p.valid_q] == 0) and torch.all(grads[0][~p.valid_q] == 0)
+    assert all(torch.all(t[~p.valid_kv] == 0) for t in grads[1:])
+
+
 def test_module_dense_padding_lengths_made_once(lib):
     """A dense cuDNN call with a padding mask: lengths from the mask, made once per forward."""
     g = torch.Generator().manual_seed(1)

@@ -37,7 +37,7 @@ class FlashAttentionV2(FlashAttention):
         if not inp.is_thd:
             return flash_attn.flash_attn_func(inp.q, inp.k, inp.v, **kwargs)
 
-        def call_fn(q, k, v, inp, plan, call):
+        def call_fn(q, k, v, inp, call):
             return flash_attn.flash_attn_varlen_func(q, k, v, call.offsets_q, call.offsets_kv, inp.packed_q.max_seqlen,
                                                      inp.packed_kv.max_seqlen, **kwargs)
 

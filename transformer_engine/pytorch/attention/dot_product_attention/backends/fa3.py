@@ -9,7 +9,7 @@ import torch
 from ..kernel_problem import KernelRun
 from ..params import AttentionInputs
 from .flash_common import FlashAttention, fa_mask_args, first_output
-from .varlen import VarlenPlan, guard_library_inputs, plan_varlen, run_library_varlen
+from .varlen import guard_library_inputs, plan_varlen, run_library_varlen
 
 
 class FlashAttentionV3(FlashAttention):
@@ -35,7 +35,7 @@ class FlashAttentionV3(FlashAttention):
         return run_library_varlen(guard_library_inputs(inp, plan, FlashAttentionV3), plan, _fa3_varlen_call)
 
 
-def _fa3_varlen_call(q, k, v, inp: AttentionInputs, plan: VarlenPlan, call: KernelRun):
+def _fa3_varlen_call(q, k, v, inp: AttentionInputs, call: KernelRun):
     import flash_attn_interface as fa3
 
     causal, left, right = fa_mask_args(call.spec)

@@ -4,7 +4,8 @@ registered ops around the library.
 
 The FA4 ops write into caller-provided buffers (``out``/``lse``, ``dq``/``dk``/``dv``): FA4 leaves
 the rows it skips unwritten, so the calls for several mask policies share one set of buffers
-and the caller zeroes the rows no sequence owns (``gap_rows.zero_gap_rows``). ``lse`` None
+and :class:`_FA4Kernel` zeroes the rows no sequence owns afterwards (``gap_rows.zero_gap_rows``;
+context parallelism zeroes its uncovered rows itself). ``lse`` None
 runs FA4's inference variant, which stores no log-sum-exp.
 """
 

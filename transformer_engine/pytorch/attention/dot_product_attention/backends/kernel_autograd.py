@@ -14,7 +14,7 @@ import torch
 
 from ..kernel_problem import KernelProblem, KernelRun, ScoreFeatures
 from ..params import AttentionInputs
-from .varlen import VarlenPlan, gap_guard, zero_spill_rows, zero_spill_rows_in_place
+from .varlen import VarlenPlan, gap_guard, packed_rows, zero_spill_rows, zero_spill_rows_in_place
 
 
 def _draw_rng(device: torch.device) -> torch.Tensor:
@@ -108,7 +108,7 @@ def module_problem(inp: AttentionInputs, plan: Optional[VarlenPlan]) -> KernelPr
         return KernelProblem((run,), sq, skv, inp.softmax_scale, False, inp.same_lengths)
     pq, pk = inp.packed_q, inp.packed_kv
     return KernelProblem(plan.calls, pq.max_seqlen, pk.max_seqlen, inp.softmax_scale, True, inp.same_lengths,
-                         (pq.cu_seqlens, pq.offsets), (pk.cu_seqlens, pk.offsets))
+                         *packed_rows(inp))
 
 
 def _dense_lengths(valid: Optional[torch.Tensor], b: int, s: int, device) -> torch.Tensor:

@@ -46,7 +46,7 @@ def plan_varlen(inp: AttentionInputs, always_lengths: bool = False) -> VarlenPla
     policies = inp.policies
     spec = inp.mask if policies is None else policies.uniform_spec()
     gaps = pq.has_gaps or pk.has_gaps
-    b = pq.cu_seqlens.shape[0] - 1
+    b = pq.batch_size
     if spec is not None:
         if not gaps:
             len_q, len_kv = _valid_lengths(pq, pk) if always_lengths else (None, None)
@@ -151,15 +151,13 @@ def gap_guard(plan: Optional[VarlenPlan], kernel) -> str:
     copies: an in-place write to graph inputs would become a copy there anyway."""
     if plan is None or not plan.has_gaps or not kernel.SANITIZE_GAPS:
         return "off"
-    mode = _SANITIZE_GAPS.get("1")
+    mode = SANITIZE_GAPS.get("1")
     if mode == "0":
         return "off"
     if mode == "copy" or compiling():
         return "copy"
     return "inplace"
 
-
-_SANITIZE_GAPS = SANITIZE_GAPS
 
 
 def packed_rows(inp: AttentionInputs) -> Tuple[PackedRows, PackedRows]:
@@ -210,6 +208,6 @@ def run_library_varlen(inp: AttentionInputs, plan: VarlenPlan, call_fn) -> torch
         q = _MaskRowGrad.apply(inp.q, owner_q == call.policy)
         k = _MaskRowGrad.apply(inp.k, owner_kv == call.policy)
         v = _MaskRowGrad.apply(inp.v, owner_kv == call.policy)
-        parts.append((call.policy, call_fn(q, k, v, inp, plan, call)))
+        parts.append((call.policy, call_fn(q, k, v, inp, call)))
     return combine_rows(owner_q, parts)
 
