@@ -15,7 +15,7 @@ setup(
     extras_require=OPTIONAL_DEPENDENCIES,
     entry_points={
         "console_scripts": [
-            "te-attention-backend=transformer_engine.pytorch.attention.dot_product_attention.explain:main",
+            "te-attention-backend=transformer_engine.pytorch.attention.dot_product_attention.selection.explain:main",
         ]
     },
 )

@@ -87,14 +87,13 @@ def scaling(args) -> None:
 
 
 def one_gpu(args) -> None:
-    from transformer_engine.pytorch.attention.dot_product_attention.cp_algorithms import CPProblem, ring_plan
-    from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import CudnnSpanKernel
-    from transformer_engine.pytorch.attention.dot_product_attention.backends.fa4 import FA4SpanKernel
+    from transformer_engine.pytorch.attention.dot_product_attention.cp.algorithms import CPProblem, ring_plan
+    from transformer_engine.pytorch.attention.dot_product_attention.cp.kernels import KERNELS
     from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType, MaskSpec
-    from transformer_engine.pytorch.attention.dot_product_attention.cp_partition import get_cp_partition_indices
+    from transformer_engine.pytorch.attention.dot_product_attention.cp.partition import get_cp_partition_indices
 
     dev = torch.device("cuda")
-    kernel = FA4SpanKernel if args.backend == "fa4" else CudnnSpanKernel
+    kernel = KERNELS["FlashAttention v4" if args.backend == "fa4" else "FusedAttention"]
     cu, off, total = _batch(8, dev)
     spec = MaskSpec(AttnMaskType.PADDING_CAUSAL, (-1, 0))
     lengths = torch.diff(cu).long()

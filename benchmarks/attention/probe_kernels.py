@@ -125,7 +125,7 @@ def probe_cudnn_writes_deterministic():
 def probe_leaks():
     """NaN in the gap rows of one tensor at a time (dout too), FA4 with zero-filled outputs;
     then all of q/k/v poisoned with the guard's spill rows zeroed (what DotProductAttention does)."""
-    from transformer_engine.pytorch.attention.dot_product_attention.gap_rows import FA4_MAX_TILE_ROWS, zero_gap_rows
+    from transformer_engine.pytorch.attention.dot_product_attention.backends.gap_rows import FA4_MAX_TILE_ROWS, zero_gap_rows
 
     lens = torch.tensor(LENGTHS, dtype=torch.int32, device="cuda")
     offsets, valid = layout(GAPS)
@@ -197,7 +197,7 @@ def probe_costs():
     keep = valid.view(-1, 1, 1)
     print(f"[cost] memset of one [T,H,D] bf16: {bench(lambda: q.zero_()):.3f} ms; where: {bench(lambda: torch.where(keep, q, 0)):.3f} ms; "
           f"clone: {bench(lambda: q.clone()):.3f} ms")
-    from transformer_engine.pytorch.attention.dot_product_attention.gap_rows import FA4_MAX_TILE_ROWS, zero_gap_rows
+    from transformer_engine.pytorch.attention.dot_product_attention.backends.gap_rows import FA4_MAX_TILE_ROWS, zero_gap_rows
 
     c_valid = cu(LENGTHS)
     print(f"[cost] zero_gap_rows, all unowned rows ({int((~valid).sum())}): {bench(lambda: zero_gap_rows(q, c_valid, offsets, -1)):.4f} ms; "

@@ -52,7 +52,7 @@ def phases(name, fwd, inputs) -> None:
 def main():
     import argparse
 
-    from transformer_engine.pytorch.attention.dot_product_attention.gap_rows import zero_gap_rows, zero_gap_rows_qkv
+    from transformer_engine.pytorch.attention.dot_product_attention.backends.gap_rows import zero_gap_rows, zero_gap_rows_qkv
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", default="FA4", choices=("FA4", "cuDNN"))

@@ -38,7 +38,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import backend_scope
-from transformer_engine.pytorch.attention.dot_product_attention import backends, fast_path, per_seq_policy, thd
+from transformer_engine.pytorch.attention.dot_product_attention import backends
+from transformer_engine.pytorch.attention.dot_product_attention.prepare import fast_path
+from transformer_engine.pytorch.attention.dot_product_attention.prepare import policies as per_seq_policy
+from transformer_engine.pytorch.attention.dot_product_attention.prepare import packed_seqs as thd
 from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
 
 CASES = ("uniform", "is_causal", "per_seq")

@@ -11,7 +11,7 @@ from . import distributed, fp8, ops, router, tensor
 from .attention import DotProductAttention, MultiheadAttention
 from .fp8 import fp8_autocast, fp8_model_init
 from .module import GroupedLinear, LayerNorm, LayerNormLinear, Linear, RMSNorm
-from .attention.dot_product_attention.cp_partition import (
+from .attention.dot_product_attention.cp.partition import (
     gather_context_parallel,
     get_cp_partition_indices,
     partition_for_context_parallel,

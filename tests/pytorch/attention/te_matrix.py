@@ -566,7 +566,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def run_case(c: Case, short: str, device: str) -> dict:
     """Run one case on one forced backend; the result as a JSON-able dict."""
-    from transformer_engine.pytorch.attention.dot_product_attention.selection import NoBackendError
+    from transformer_engine.pytorch.attention.dot_product_attention.selection.backend_selection import NoBackendError
 
     label, switches = BACKENDS[short]
     result = dict(id=c.id, backend=label, family=c.family, status="fail", detail="")

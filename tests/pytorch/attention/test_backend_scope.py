@@ -15,9 +15,9 @@ from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import backend_scope
 from transformer_engine.pytorch.attention.dot_product_attention import AttentionParams, get_attention_backend
 from transformer_engine.pytorch.attention.dot_product_attention.environment import BackendScope, current_scope
-from transformer_engine.pytorch.attention.dot_product_attention.libraries import InstalledLibraries
+from transformer_engine.pytorch.attention.dot_product_attention.selection.libraries import InstalledLibraries
 from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType as M
-from transformer_engine.pytorch.attention.dot_product_attention.selection import NoBackendError, require_backend
+from transformer_engine.pytorch.attention.dot_product_attention.selection.backend_selection import NoBackendError, require_backend
 
 from .gpu_helpers import run_on
 

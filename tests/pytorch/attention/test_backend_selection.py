@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from transformer_engine.pytorch.attention.dot_product_attention import AttentionParams, get_attention_backend, support_matrix_markdown
-from transformer_engine.pytorch.attention.dot_product_attention.explain import main as explain_main
-from transformer_engine.pytorch.attention.dot_product_attention.libraries import InstalledLibraries
+from transformer_engine.pytorch.attention.dot_product_attention.selection.explain import main as explain_main
+from transformer_engine.pytorch.attention.dot_product_attention.selection.libraries import InstalledLibraries
 from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType as M
 from transformer_engine.pytorch.attention.dot_product_attention.masks import MaskSpec
-from transformer_engine.pytorch.attention.dot_product_attention.selection import NoBackendError, require_backend
+from transformer_engine.pytorch.attention.dot_product_attention.selection.backend_selection import NoBackendError, require_backend
 
 ALL = InstalledLibraries(flash_attn_2="2.7.4", flash_attn_3=None, flash_attn_4="4.0.0b36", cudnn_frontend="1.32.0")
 FA2_CUDNN = replace(ALL, flash_attn_4=None)

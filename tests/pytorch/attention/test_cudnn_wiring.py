@@ -12,7 +12,8 @@ import torch
 
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import backend_scope
-from transformer_engine.pytorch.attention.dot_product_attention import backends, gap_rows
+from transformer_engine.pytorch.attention.dot_product_attention import backends
+from transformer_engine.pytorch.attention.dot_product_attention.backends import gap_rows
 from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
 
 FWD_NAMES = ("offsets_q", "offsets_kv", "seqlens_q", "seqlens_kv", "batch_size", "max_seqlen_q", "max_seqlen_kv",

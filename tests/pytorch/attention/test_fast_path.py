@@ -15,11 +15,11 @@ import torch
 
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa_module
-from transformer_engine.pytorch.attention.dot_product_attention import fast_path
-from transformer_engine.pytorch.attention.dot_product_attention.libraries import InstalledLibraries
+from transformer_engine.pytorch.attention.dot_product_attention.prepare import fast_path
+from transformer_engine.pytorch.attention.dot_product_attention.selection.libraries import InstalledLibraries
 from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType, MaskSpec
-from transformer_engine.pytorch.attention.dot_product_attention.params import AttentionParams
-from transformer_engine.pytorch.attention.dot_product_attention.selection import NoBackendError, get_attention_backend
+from transformer_engine.pytorch.attention.dot_product_attention.selection.params import AttentionParams
+from transformer_engine.pytorch.attention.dot_product_attention.selection.backend_selection import NoBackendError, get_attention_backend
 
 from .gpu_helpers import GPU_BACKENDS, env, rel_err, run_on
 from .packing import make_thd
@@ -345,7 +345,7 @@ def test_thd_selection_reads_neither_batch_size_nor_max_seqlen():
 
 
 def test_decode_shape_is_part_of_the_thd_key():
-    from transformer_engine.pytorch.attention.dot_product_attention.fast_path import _thd_facts
+    from transformer_engine.pytorch.attention.dot_product_attention.prepare.fast_path import _thd_facts
 
     cu = torch.tensor([0, 1, 2], dtype=torch.int32)
     cus = (cu, cu, None, None)

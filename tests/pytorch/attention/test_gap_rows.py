@@ -20,8 +20,8 @@ import transformer_engine.pytorch.attention.dot_product_attention.backends as ba
 from transformer_engine.pytorch.attention import backend_scope
 from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
 from transformer_engine.pytorch import DotProductAttention
-from transformer_engine.pytorch.attention.dot_product_attention import gap_rows
-from transformer_engine.pytorch.attention.dot_product_attention.gap_rows import FA4_MAX_TILE_ROWS, unowned_rows
+from transformer_engine.pytorch.attention.dot_product_attention.backends import gap_rows
+from transformer_engine.pytorch.attention.dot_product_attention.backends.gap_rows import FA4_MAX_TILE_ROWS, unowned_rows
 
 from .gpu_helpers import env
 from .packing import make_thd
@@ -55,7 +55,7 @@ def layouts(draw):
 @settings(max_examples=25, deadline=None)
 @given(layouts())
 def test_triton_kernel_writes_exactly_the_unowned_rows(layout):
-    from transformer_engine.pytorch.attention.dot_product_attention.gap_rows import launch_triton
+    from transformer_engine.pytorch.attention.dot_product_attention.backends.gap_rows import launch_triton
 
     lengths, gaps, lead, tail, max_rows, packed, h, d = layout
     cu, off = [0], [lead]
@@ -101,7 +101,7 @@ def qkv_layouts(draw):
 def test_triton_kernel_three_tensors_in_one_launch(layout):
     """q by the query side, k and v by the key/value side, each with its own head count and
     head dim (GQA, dv != d), in one launch: each gets exactly its own unowned rows."""
-    from transformer_engine.pytorch.attention.dot_product_attention.gap_rows import launch_triton
+    from transformer_engine.pytorch.attention.dot_product_attention.backends.gap_rows import launch_triton
 
     b, (cu_q, off_q, tq), (cu_kv, off_kv, tkv), max_rows, shared_kv = layout
     device = "cuda" if torch.cuda.is_available() else "cpu"

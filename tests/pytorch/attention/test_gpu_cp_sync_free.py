@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from transformer_engine.pytorch import DotProductAttention
-from transformer_engine.pytorch.attention.dot_product_attention.cp_comm import CPComm, Pending
+from transformer_engine.pytorch.attention.dot_product_attention.cp.comm import CPComm, Pending
 
 from .gpu_helpers import env
 

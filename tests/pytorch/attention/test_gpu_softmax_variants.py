@@ -11,7 +11,7 @@ import torch
 
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import SINK_THD_BACKWARD_MIN_CUDNN
-from transformer_engine.pytorch.attention.dot_product_attention.libraries import installed_libraries
+from transformer_engine.pytorch.attention.dot_product_attention.selection.libraries import installed_libraries
 
 from .gpu_helpers import rel_err, run_on
 from .packing import make_thd

@@ -309,9 +309,9 @@ def test_cuda_cu_seqlens_on_another_device_is_named():
 
 def _fused_reasons(**kw):
     from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import FusedAttention
-    from transformer_engine.pytorch.attention.dot_product_attention.libraries import InstalledLibraries
+    from transformer_engine.pytorch.attention.dot_product_attention.selection.libraries import InstalledLibraries
     from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType
-    from transformer_engine.pytorch.attention.dot_product_attention.params import AttentionParams
+    from transformer_engine.pytorch.attention.dot_product_attention.selection.params import AttentionParams
 
     kw["attn_mask_type"] = AttnMaskType(kw.get("attn_mask_type", "no_mask"))
     libs = InstalledLibraries(cudnn_frontend="1.32.0")
@@ -343,7 +343,7 @@ def test_bounded_kv_lengths_follow_the_kv_slots_when_cu_seqlens_are_shared():
     """One cu_seqlens for both sides but different padded offsets: after bounding, the kernels'
     kv lengths must be capped by the kv slots, not reuse the query's (an over-read of kv)."""
     from transformer_engine.pytorch.attention.dot_product_attention.backends.varlen import _valid_lengths
-    from transformer_engine.pytorch.attention.dot_product_attention.thd import PackedSeqs, made_safe
+    from transformer_engine.pytorch.attention.dot_product_attention.prepare.packed_seqs import PackedSeqs, made_safe
 
     cu = torch.tensor([0, 4, 14], dtype=torch.int32)
     pq = PackedSeqs(cu, torch.tensor([0, 4, 20], dtype=torch.int32), 10, 20)
@@ -358,11 +358,11 @@ def test_bounded_kv_lengths_follow_the_kv_slots_when_cu_seqlens_are_shared():
 def test_unclaimed_sequence_attends_nothing_on_the_gathered_unfused_path(monkeypatch):
     """An id the policies miss (unchecked on CUDA) leaves its sequence with no policy: the
     gathered path must give it 0 (the kernels run it in no call), not the last policy's mask."""
-    from transformer_engine.pytorch.attention.dot_product_attention import thd
+    from transformer_engine.pytorch.attention.dot_product_attention.prepare import packed_seqs as thd
 
     monkeypatch.setenv("NVTE_UNFUSED_THD_GATHER", "1")
     monkeypatch.setattr(thd, "value_checks_on", lambda device: False)  # as on CUDA without NVTE_ATTN_VALIDATE
-    from transformer_engine.pytorch.attention.dot_product_attention import per_seq_policy
+    from transformer_engine.pytorch.attention.dot_product_attention.prepare import policies as per_seq_policy
 
     monkeypatch.setattr(per_seq_policy, "value_checks_on", lambda device: False)
     p = make_thd([3, 4, 2], h=H, d=D)

@@ -22,9 +22,9 @@ import torch
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import backend_scope
 from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
-from transformer_engine.pytorch.attention.dot_product_attention.backends.unfused import UnfusedSpanKernel
-from transformer_engine.pytorch.attention.dot_product_attention.cp_kernels import KERNELS
-from transformer_engine.pytorch.attention.dot_product_attention.spans import StepMask, make_span
+from transformer_engine.pytorch.attention.dot_product_attention.cp.kernels import UnfusedSpanKernel
+from transformer_engine.pytorch.attention.dot_product_attention.cp.kernels import KERNELS
+from transformer_engine.pytorch.attention.dot_product_attention.cp.spans import StepMask, make_span
 
 from .packing import make_thd
 
@@ -168,7 +168,7 @@ class StandIn:
 
 @pytest.fixture
 def lib(monkeypatch):
-    from transformer_engine.pytorch.attention.dot_product_attention import gap_rows
+    from transformer_engine.pytorch.attention.dot_product_attention.backends import gap_rows
 
     stand_in = StandIn()
     stand_in.zero_gap_rows = gap_rows.zero_gap_rows
@@ -388,7 +388,7 @@ def test_module_dense_rows_that_see_no_key(lib, sq, skv, mask):
 def test_cudnn_run_without_lengths_reads_them_from_the_offsets():
     """KernelRun's "no lengths: up to the next offset", as cuDNN's ragged graphs need lengths."""
     from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import _run_args
-    from transformer_engine.pytorch.attention.dot_product_attention.kernel_problem import KernelProblem, KernelRun
+    from transformer_engine.pytorch.attention.dot_product_attention.backends.kernel_problem import KernelProblem, KernelRun
     from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType, MaskSpec
 
     off_q, off_kv = torch.tensor([0, 5, 8, 14], dtype=torch.int32), torch.tensor([0, 4, 9, 9], dtype=torch.int32)

@@ -128,7 +128,7 @@ def test_mha_context_parallel_world2():
 @pytest.mark.parametrize("fmt", ["thd", "sbhd"])
 def test_rope_positions_are_global_under_cp(fmt):
     """Single process, by hand: the rotary rows a rank uses are its rows' global positions."""
-    from transformer_engine.pytorch.attention.dot_product_attention.cp_partition import (dense_positions,
+    from transformer_engine.pytorch.attention.dot_product_attention.cp.partition import (dense_positions,
                                                                                        positions_of_local_rows)
 
     if fmt == "sbhd":
@@ -153,8 +153,8 @@ def test_rope_too_short_for_the_global_sequence():
 def test_cp_rank_of_a2a_p2p_groups():
     """The rank MultiheadAttention rotates for is the CP rank the data is partitioned for:
     p2p_rank * a2a_size + a2a_rank under a2a+p2p."""
-    from transformer_engine.pytorch.attention.dot_product_attention.context_parallel import make_cp_config
-    from transformer_engine.pytorch.attention.dot_product_attention.cp_comm import CPComm
+    from transformer_engine.pytorch.attention.dot_product_attention.cp.context_parallel import make_cp_config
+    from transformer_engine.pytorch.attention.dot_product_attention.cp.comm import CPComm
 
     class Fake(CPComm):
         def __init__(self, size: int, rank: int) -> None:  # no process group behind it

@@ -158,7 +158,9 @@ def test_thd_rotary_prepares_the_packed_metadata_once(monkeypatch):
     of the module, and the gap rows' NaN never reaches a valid row."""
     from transformer_engine.pytorch.attention import multi_head_attention as mha_module
     from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa_module
-    from transformer_engine.pytorch.attention.dot_product_attention import fast_path, prepare, thd
+    from transformer_engine.pytorch.attention.dot_product_attention.prepare import fast_path
+    from transformer_engine.pytorch.attention.dot_product_attention.prepare import call as prepare
+    from transformer_engine.pytorch.attention.dot_product_attention.prepare import packed_seqs as thd
 
     counts = {"prepare_sides": 0, "checked_or_safe": 0, "full path": 0}
 

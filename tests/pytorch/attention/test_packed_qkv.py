@@ -72,7 +72,7 @@ def test_kv_layer_equals_separate_gqa(fmt, dim):
 
 
 def test_views_are_zero_copy_and_layout_is_declared(monkeypatch):
-    import transformer_engine.pytorch.attention.dot_product_attention.packed_qkv as pq
+    import transformer_engine.pytorch.attention.dot_product_attention.prepare.packed_qkv as pq
 
     seen = {}
     real = pq.resolve_qkv

@@ -157,7 +157,7 @@ ID_CASES = {
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("name", list(ID_CASES))
 def test_policy_of_ids_matches_the_plain_reference(name, dtype):
-    from transformer_engine.pytorch.attention.dot_product_attention.per_seq_policy import policy_of_ids
+    from transformer_engine.pytorch.attention.dot_product_attention.prepare.policies import policy_of_ids
 
     lists = ID_CASES[name]
     got = policy_of_ids([torch.tensor(ids, dtype=dtype) for ids in lists], 6, torch.device("cpu"))
@@ -168,7 +168,7 @@ def test_policy_of_ids_matches_the_plain_reference(name, dtype):
 @pytest.mark.parametrize("name", list(ID_CASES))
 def test_gpu_policy_of_ids_matches_the_plain_reference(name):
     """index_fill on CUDA must wrap the clamped -1 to the last spare slot, as on the CPU."""
-    from transformer_engine.pytorch.attention.dot_product_attention.per_seq_policy import policy_of_ids
+    from transformer_engine.pytorch.attention.dot_product_attention.prepare.policies import policy_of_ids
 
     lists = ID_CASES[name]
     got = policy_of_ids([torch.tensor(ids, dtype=torch.int64, device="cuda") for ids in lists], 6, torch.device("cuda"))

@@ -17,7 +17,7 @@ from transformer_engine.pytorch.attention import backend_scope
 from transformer_engine.pytorch.attention.dot_product_attention import backends
 from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
 from transformer_engine.pytorch.attention.dot_product_attention.backends.varlen import plan_varlen
-from transformer_engine.pytorch.attention.dot_product_attention.per_seq_policy import SeqPolicies
+from transformer_engine.pytorch.attention.dot_product_attention.prepare.policies import SeqPolicies
 
 from .packing import make_thd
 from .test_softmax_variants import _SinkFA4
@@ -36,7 +36,7 @@ def compact(monkeypatch):
 
 @pytest.fixture
 def fa4(monkeypatch):
-    from transformer_engine.pytorch.attention.dot_product_attention import gap_rows
+    from transformer_engine.pytorch.attention.dot_product_attention.backends import gap_rows
 
     _SinkFA4.calls = []
     seen = []

@@ -16,7 +16,7 @@ from transformer_engine.pytorch.attention.dot_product_attention import Attention
 from transformer_engine.pytorch.attention import backend_scope
 from transformer_engine.pytorch.attention.dot_product_attention import backends
 from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
-from transformer_engine.pytorch.attention.dot_product_attention.libraries import InstalledLibraries
+from transformer_engine.pytorch.attention.dot_product_attention.selection.libraries import InstalledLibraries
 from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType
 
 from .gpu_helpers import env
@@ -404,7 +404,7 @@ class _SinkFA4:
 
 @pytest.fixture
 def fa4_with_sinks(monkeypatch):
-    from transformer_engine.pytorch.attention.dot_product_attention import gap_rows
+    from transformer_engine.pytorch.attention.dot_product_attention.backends import gap_rows
     _SinkFA4.calls = []
     _SinkFA4.zero_gap_rows = staticmethod(gap_rows.zero_gap_rows)
     _SinkFA4.zero_gap_rows_qkv = staticmethod(gap_rows.zero_gap_rows_qkv)

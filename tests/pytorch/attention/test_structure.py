@@ -59,7 +59,7 @@ def test_utils_holds_only_te_names_and_backends_no_private_ones():
 
 
 def test_attention_inputs_is_one_frozen_record_without_extras():
-    from transformer_engine.pytorch.attention.dot_product_attention.params import AttentionInputs
+    from transformer_engine.pytorch.attention.dot_product_attention.prepare.inputs import AttentionInputs
 
     assert AttentionInputs.__dataclass_params__.frozen
     names = {f.name for f in dataclasses.fields(AttentionInputs)}

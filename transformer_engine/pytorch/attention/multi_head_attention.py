@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from .dot_product_attention import DotProductAttention
 from .tensor_parallel import enter_column_parallel, leave_row_parallel, per_partition, tp_world_size
-from .dot_product_attention.cp_partition import dense_positions, positions_of_local_rows
-from .dot_product_attention.thd import PackedSeqs, prepare_sides, value_checks_on
+from .dot_product_attention.cp.partition import dense_positions, positions_of_local_rows
+from .dot_product_attention.prepare.packed_seqs import PackedSeqs, prepare_sides, value_checks_on
 
 
 class MultiheadAttention(torch.nn.Module):

@@ -2,9 +2,9 @@
 
 from .dot_product_attention import DotProductAttention
 from .masks import AttnMaskType
-from .params import AttentionParams
-from .layouts import get_qkv_layout
-from .selection import BackendSelection, backend_scope, explain_backends, get_attention_backend, support_matrix_markdown
+from .selection.params import AttentionParams
+from .prepare.layouts import get_qkv_layout
+from .selection.backend_selection import (BackendSelection, backend_scope, explain_backends, get_attention_backend, support_matrix_markdown)
 
 __all__ = [
     "AttentionParams",

@@ -13,17 +13,17 @@ from typing import Any, Mapping, Optional, Tuple, Union
 import torch
 import torch.utils.checkpoint
 
-from .context_parallel import context_parallel_forward, make_cp_config
+from .cp.context_parallel import context_parallel_forward, make_cp_config
 from .environment import compiling
 from ..tensor_parallel import per_partition, tp_world_size
-from .fast_path import call_key, lookup, recipe_of, remember
+from .prepare.fast_path import call_key, lookup, recipe_of, remember
 from .masks import AttnMaskType, normalize_window
-from .packed_qkv import resolve_qkv
-from .params import AttentionParams, params_key
-from .prepare import PackedSides, prepare, selection_params
-from .support import SOFTMAX_TYPES
-from .selection import BACKENDS_BY_LABEL, chosen_backend_label, require_backend
-from .validation import check_format, check_kv_channels, check_num_splits, check_softmax_scale
+from .prepare.packed_qkv import resolve_qkv
+from .selection.params import AttentionParams, params_key
+from .prepare.call import PackedSides, prepare, selection_params
+from .selection.support import SOFTMAX_TYPES
+from .selection.backend_selection import BACKENDS_BY_LABEL, chosen_backend_label, require_backend
+from .prepare.validation import check_format, check_kv_channels, check_num_splits, check_softmax_scale
 
 class DotProductAttention(torch.nn.Module):
     """Scaled dot-product attention over [s,b,h,d], [b,s,h,d] or packed [t,h,d] inputs.
@@ -99,7 +99,7 @@ class DotProductAttention(torch.nn.Module):
         self.softmax_scale = check_softmax_scale(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(self.head_dims[0])
         self.softmax_type, self.return_max_logit = softmax_type, return_max_logit
         _add_softmax_offset(self, softmax_type, self.num_attention_heads_per_partition, get_rng_state_tracker)
-        self._recipes: dict = {}  # host decisions of earlier calls, by their host facts (fast_path.py)
+        self._recipes: dict = {}  # host decisions of earlier calls, by their host facts (prepare/fast_path.py)
 
     def forward(
         self,

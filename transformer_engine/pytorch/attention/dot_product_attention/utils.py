@@ -4,8 +4,8 @@ Their homes: :mod:`.params` (``AttentionParams``), :mod:`.selection` (``get_atte
 :mod:`.layouts` (``get_qkv_layout``).
 """
 
-from .layouts import get_qkv_layout
-from .params import AttentionParams
-from .selection import get_attention_backend
+from .prepare.layouts import get_qkv_layout
+from .selection.params import AttentionParams
+from .selection.backend_selection import get_attention_backend
 
 __all__ = ["AttentionParams", "get_attention_backend", "get_qkv_layout"]

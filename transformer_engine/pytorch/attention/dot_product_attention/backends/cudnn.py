@@ -18,10 +18,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..kernel_problem import KernelProblem, KernelRun, ScoreFeatures
-from ..params import AttentionInputs
-from ..spans import RowSpan, SpanAdapter
-from ..support import SOFTMAX_TYPES, BackendSupport, Reason, bias_thd_reasons
+from .kernel_problem import KernelProblem, KernelRun, RowSpan, ScoreFeatures
+from ..prepare.inputs import AttentionInputs
+from ..selection.support import SOFTMAX_TYPES, BackendSupport, Reason, bias_thd_reasons
 from . import kernel_ops
 from .kernel_autograd import run_kernel
 from .varlen import plan_varlen
@@ -259,8 +258,6 @@ def _run_args(problem: KernelProblem, run: KernelRun) -> tuple:
             problem.max_seqlen_kv, problem.softmax_scale, causal, left, right, bottom_right)
 
 
-# The span interface (context parallelism) on this kernel: spans.SpanAdapter.
-CudnnSpanKernel = SpanAdapter(_CudnnKernel)
 
 
 # ------------------------------------------------------------------ the registered ops

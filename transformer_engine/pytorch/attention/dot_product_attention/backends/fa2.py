@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..params import AttentionInputs
+from ..prepare.inputs import AttentionInputs
 from .flash_common import FlashAttention, fa_mask_args
 from .varlen import plan_varlen, run_library_varlen
 
@@ -48,7 +48,7 @@ class FlashAttentionV2(FlashAttention):
 def _fa2_alibi(inp: AttentionInputs):
     if inp.bias_type != "alibi":
         return None
-    from ..unfused import default_alibi_slopes
+    from .unfused_math import default_alibi_slopes
 
     slopes = inp.alibi_slopes if inp.alibi_slopes is not None else default_alibi_slopes(inp.q.shape[-2])
     return slopes.to(device=inp.q.device, dtype=torch.float32)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernel_problem import KernelRun
-from ..params import AttentionInputs
+from .kernel_problem import KernelRun
+from ..prepare.inputs import AttentionInputs
 from .flash_common import FlashAttention, fa_mask_args, first_output
 from .varlen import guard_library_inputs, plan_varlen, run_library_varlen
 

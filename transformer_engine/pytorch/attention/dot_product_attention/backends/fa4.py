@@ -17,10 +17,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..kernel_problem import KernelProblem, KernelRun, ScoreFeatures
-from ..params import AttentionInputs
-from ..spans import RowSpan, SpanAdapter
-from ..support import SOFTMAX_TYPES, Reason
+from .kernel_problem import KernelProblem, KernelRun, RowSpan, ScoreFeatures
+from ..prepare.inputs import AttentionInputs
+from ..selection.support import SOFTMAX_TYPES, Reason
 from . import kernel_ops
 from .flash_common import FlashAttention, fa_mask_args
 from .kernel_autograd import run_kernel
@@ -290,5 +289,3 @@ def _mask_args(run: KernelRun) -> Tuple[bool, int, int]:
     return fa_mask_args(run.spec)
 
 
-# The span interface (context parallelism) on this kernel: spans.SpanAdapter.
-FA4SpanKernel = SpanAdapter(_FA4Kernel)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import ClassVar, Tuple
 
 from ..masks import MaskSpec
-from ..support import BackendSupport
+from ..selection.support import BackendSupport
 
 
 def fa_mask_args(spec: MaskSpec) -> Tuple[bool, int, int]:

@@ -12,8 +12,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..kernel_problem import KernelProblem, KernelRun, ScoreFeatures
-from ..params import AttentionInputs
+from .kernel_problem import KernelProblem, KernelRun, ScoreFeatures
+from ..prepare.inputs import AttentionInputs
 from .varlen import VarlenPlan, gap_guard, packed_rows, zero_spill_rows, zero_spill_rows_in_place
 
 

@@ -17,7 +17,7 @@ from typing import Callable, Dict, Sequence
 
 import torch
 
-from .. import gap_rows
+from . import gap_rows
 from ..environment import compiling
 
 LIB = "te_attn"

@@ -20,10 +20,10 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ..environment import SANITIZE_GAPS, THD_POLICY_COMPACT, compiling
-from ..gap_rows import FA4_MAX_TILE_ROWS
-from ..kernel_problem import KernelRun, PackedRows
-from ..params import AttentionInputs
-from ..thd import PackedSeqs
+from .gap_rows import FA4_MAX_TILE_ROWS
+from .kernel_problem import KernelRun, PackedRows
+from ..prepare.inputs import AttentionInputs
+from ..prepare.packed_seqs import PackedSeqs
 from . import kernel_ops
 
 

@@ -1,5 +1,5 @@
 """The three ways context parallelism moves keys/values: a p2p ring, one all-gather, and
-all-to-all (Ulysses), each an autograd function on the span kernel interface (spans.py).
+all-to-all (Ulysses), each an autograd function on the span kernel interface (cp/spans.py).
 
 Shape legend: T/TQ/TK = local rows (THD; dense batches arrive flattened to [B*S, H, D]),
 B = sequences, H/HG = query/key heads, D/Dv = head dims, P = ranks of the level.
@@ -15,10 +15,10 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from .cp_comm import CPComm
+from .comm import CPComm
 from .spans import RowSpan, StepMask, make_span
-from .cp_partition import ZigzagLayout, source_of_global_rows
-from .masks import MaskSpec
+from .partition import ZigzagLayout, source_of_global_rows
+from ..masks import MaskSpec
 
 Call = Tuple[RowSpan, RowSpan, StepMask]
 

@@ -12,9 +12,9 @@ from typing import ClassVar, FrozenSet, List, Optional, Tuple
 
 import torch
 
-from .environment import backend_switch_on
+from ..environment import backend_switch_on
 from .libraries import InstalledLibraries
-from .masks import AttnMaskType
+from ..masks import AttnMaskType
 from .params import AttentionParams
 
 HALF = frozenset({torch.float16, torch.bfloat16})
@@ -74,7 +74,7 @@ class BackendSupport:
     SUPPORTED_SOFTMAX_TYPES: ClassVar[FrozenSet[str]] = frozenset({"vanilla"})
     SUPPORTS_RETURN_MAX_LOGIT: ClassVar[bool] = False
     # Context parallelism: the comm types this backend runs the local steps of (its span kernel,
-    # spans.py, sits in its file; cp_kernels.KERNELS maps it). a2a runs the ordinary path on the whole sequence, so every backend.
+    # cp/spans.py, sits in its file; cp_kernels.KERNELS maps it). a2a runs the ordinary path on the whole sequence, so every backend.
     CP_COMM_TYPES: ClassVar[FrozenSet[str]] = frozenset({"a2a"})
     NOTES: ClassVar[dict] = {}
 

@@ -27,13 +27,13 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 
 import torch
 
-from .masks import AttnMaskType
+from ..masks import AttnMaskType
 from .packed_qkv import ResolvedQKV, split_packed
-from .params import AttentionInputs, assemble_inputs, static_half
-from .per_seq_policy import PolicyRecipe
-from .prepare import PackedSides, bshd_views
-from .thd import PackedSeqs, checked_or_safe, validation_enabled
-from .environment import compiling, env_snapshot
+from .inputs import AttentionInputs, assemble_inputs, static_half
+from .policies import PolicyRecipe
+from .call import PackedSides, bshd_views
+from .packed_seqs import PackedSeqs, checked_or_safe, validation_enabled
+from ..environment import compiling, env_snapshot
 from .layouts import stride_rules_out_packing
 
 # A module meets few distinct signatures (one per layer shape and mode); a full cache is

@@ -57,7 +57,7 @@ def unowned_rows(cu_seqlens: torch.Tensor, offsets: torch.Tensor, total: int, ma
 @functools.lru_cache(maxsize=None)
 def _kernels():
     """The Triton kernels, imported on first use (Triton reads ``TRITON_INTERPRET`` then)."""
-    from ._gap_rows_kernel import zero_rows, zero_rows_qkv
+    from .gap_rows_kernel import zero_rows, zero_rows_qkv
 
     return zero_rows, zero_rows_qkv
 

@@ -1,7 +1,7 @@
 """Command line: which backend would run a configuration, and why not the others.
 
     te-attention-backend --dtype bf16 --format thd --mask padding_causal --head-dim 128 --cc 9.0
-    python -m transformer_engine.pytorch.attention.dot_product_attention.explain --matrix
+    python -m transformer_engine.pytorch.attention.dot_product_attention.selection.explain --matrix
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import List, Optional
 import torch
 
 from .libraries import InstalledLibraries, installed_libraries
-from .masks import AttnMaskType, normalize_window
+from ..masks import AttnMaskType, normalize_window
 from .params import AttentionParams
-from .selection import get_attention_backend, support_matrix_markdown
+from .backend_selection import get_attention_backend, support_matrix_markdown
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 

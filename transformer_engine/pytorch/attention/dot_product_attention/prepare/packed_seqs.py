@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .environment import VALIDATE, compiling
+from ..environment import VALIDATE, compiling
 
 
 def check_cu_seqlens(name: str, t: Optional[torch.Tensor], batch_size: Optional[int] = None, device=None) -> None:

@@ -10,9 +10,9 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .masks import AttnMaskType
-from .params import BIAS_TYPES, QKV_FORMATS
-from .thd import check_cu_seqlens, value_checks_on
+from ..masks import AttnMaskType
+from .inputs import BIAS_TYPES, QKV_FORMATS
+from .packed_seqs import check_cu_seqlens, value_checks_on
 
 BIAS_SHAPES = ("1hss", "b1ss", "bhss", "11ss", "111s")
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from .environment import CP_HOST_STAGING
+from ..environment import CP_HOST_STAGING
 
 
 def host_staging_selected() -> bool:

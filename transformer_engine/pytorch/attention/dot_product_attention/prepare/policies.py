@@ -18,8 +18,8 @@ from typing import Mapping, Optional, Tuple, Union
 
 import torch
 
-from .masks import AttnMaskType, MaskSpec, normalize_window
-from .thd import value_checks_on
+from ..masks import AttnMaskType, MaskSpec, normalize_window
+from .packed_seqs import value_checks_on
 
 PolicyKey = Union[str, AttnMaskType, Tuple[Union[str, AttnMaskType], Tuple[int, int]]]
 

@@ -23,15 +23,14 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from .cp_algorithms import (AllGatherAttention, CPProblem, RingAttention, gather_plan, heads_to_level, level_index,
-                            level_to_heads, ring_plan)
-from .cp_comm import CPComm
-from .cp_kernels import KERNELS
-from .cp_partition import check_slots
-from .masks import AttnMaskType, MaskSpec, normalize_window
-from .per_seq_policy import parse_policies, reject_per_seq
-from .support import Reason
-from .thd import prepare_sides, value_checks_on
+from .algorithms import (AllGatherAttention, CPProblem, RingAttention, gather_plan, heads_to_level, level_index, level_to_heads, ring_plan)
+from .comm import CPComm
+from .kernels import KERNELS
+from .partition import check_slots
+from ..masks import AttnMaskType, MaskSpec, normalize_window
+from ..prepare.policies import parse_policies, reject_per_seq
+from ..selection.support import Reason
+from ..prepare.packed_seqs import prepare_sides, value_checks_on
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
@@ -187,7 +186,7 @@ class CPCall:
 def context_parallel_forward(dpa, cfg: CPConfig, qkv, fmt: str, attention_mask, cus, max_seqlens, attn_mask_type, window_size,
                              checkpoint: bool, bias_type: str, bias, alibi_slopes, pad_between, per_seq, is_causal) -> torch.Tensor:
     """DotProductAttention.forward under context parallelism; returns the flattened output."""
-    from .validation import check_mask_and_format, check_qkv
+    from ..prepare.validation import check_mask_and_format, check_qkv
 
     q, k, v = qkv.q, qkv.k, qkv.v
     check_qkv(q, k, v, fmt, dpa.num_attention_heads_per_partition, dpa.num_gqa_groups_per_partition, dpa.head_dims)
@@ -277,7 +276,7 @@ def _valid_rows(layout, total_rows: int) -> torch.Tensor:
 def _inner(dpa, heads: int, groups: int):
     """An ordinary DotProductAttention for the a2a path's whole-sequence call (its heads are
     this rank's share), kept on the module (not as a submodule: it has no parameters)."""
-    from .dot_product_attention import DotProductAttention
+    from ..dot_product_attention import DotProductAttention
 
     cache = dpa.__dict__.setdefault("_cp_inner", {})
     key = (heads, groups)
@@ -294,9 +293,9 @@ def _inner(dpa, heads: int, groups: int):
 def _select_kernel(dpa, q, k, v, call: CPCall):
     """The local kernel for ring/all-gather steps: the first backend (in preference order)
     that supports this call with context parallelism and has a CP kernel."""
-    from .params import AttentionParams
-    from .selection import require_backend
-    from .libraries import compute_capability
+    from ..selection.params import AttentionParams
+    from ..selection.backend_selection import require_backend
+    from ..selection.libraries import compute_capability
 
     prob = call.problem
     cuda = q.device.type == "cuda"

@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .masks import MaskSpec
+from ..masks import MaskSpec
 
 # (cu_seqlens, slot offsets) of one side of a packed batch: the rows some sequence owns.
 PackedRows = Tuple[torch.Tensor, torch.Tensor]
@@ -99,3 +99,19 @@ class ScoreFeatures:
 # The span interface (context parallelism) carries none of them: CP refuses a bias and, on its
 # span schedules, dropout.
 NO_FEATURES = ScoreFeatures()
+
+
+@dataclass(frozen=True)
+class RowSpan:
+    """One side of a call: per-sequence row ranges and which rows of the tensor they cover."""
+
+    offsets: torch.Tensor  # [B+1] int32, non-decreasing (span starts; the last entry bounds them)
+    lengths: torch.Tensor  # [B] int32
+    max_len: int  # a host bound on every length
+    seq: torch.Tensor  # [T] int64 sequence of each row (clamped)
+    covered: torch.Tensor  # [T] bool
+
+    @property
+    def pos(self) -> torch.Tensor:
+        rows = torch.arange(self.seq.numel(), device=self.seq.device)
+        return rows - self.offsets.long()[self.seq]

@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from .environment import UNFUSED_MAX_SCORES, UNFUSED_THD_GATHER, compiling
-from .masks import UNBOUNDED, band_allowed
-from .params import AttentionInputs
-from .thd import PackedSeqs
+from ..environment import UNFUSED_MAX_SCORES, UNFUSED_THD_GATHER, compiling
+from ..masks import UNBOUNDED, band_allowed
+from ..prepare.inputs import AttentionInputs
+from ..prepare.packed_seqs import PackedSeqs
 
 IntOrTensor = Union[int, torch.Tensor]
 # (first query row, end row) -> (allowed [B'|1, H'|1, rows, SKV] bool or None, bias or None)

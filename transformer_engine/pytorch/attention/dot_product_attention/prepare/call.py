@@ -14,12 +14,13 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from .libraries import compute_capability
-from .masks import AttnMaskType, MaskSpec, normalize_window
+from ..selection.libraries import compute_capability
+from ..masks import AttnMaskType, MaskSpec, normalize_window
 from .packed_qkv import ResolvedQKV
-from .params import AttentionInputs, AttentionParams
-from .per_seq_policy import SeqPolicies, parse_policies, reject_per_seq
-from .thd import PackedSeqs, prepare_sides
+from ..selection.params import AttentionParams
+from .inputs import AttentionInputs
+from .policies import SeqPolicies, parse_policies, reject_per_seq
+from .packed_seqs import PackedSeqs, prepare_sides
 from .validation import check_bias, check_bottom_right_diagonal, check_mask_and_format, check_qkv, dense_padding
 
 PackedSides = Tuple[PackedSeqs, PackedSeqs]

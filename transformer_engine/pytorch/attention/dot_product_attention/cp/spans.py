@@ -1,7 +1,6 @@
-"""The span interface context parallelism calls (``cp_kernels.KERNELS`` maps a selection to
-one): :class:`SpanAdapter` over a backend's kernel interface (:mod:`.kernel_problem`; FA4 and
-cuDNN: ``FA4SpanKernel``, ``CudnnSpanKernel`` in their files), or the unfused reference's own
-``UnfusedSpanKernel``.
+"""The span interface context parallelism calls (:data:`.kernels.KERNELS` maps a selection to
+one): :class:`SpanAdapter` over a backend's kernel interface (``backends/kernel_problem.py``;
+FA4 and cuDNN), or the unfused reference's own ``UnfusedSpanKernel``.
 
 Shape legend: TQ/TK = rows of the local q / kv tensors, B = sequences, H = query heads,
 HG = key/value heads, D/Dv = head dims.
@@ -26,24 +25,8 @@ from typing import Any, Tuple
 
 import torch
 
-from .kernel_problem import NO_FEATURES, KernelProblem, KernelRun
-from .masks import AttnMaskType, MaskSpec
-
-
-@dataclass(frozen=True)
-class RowSpan:
-    """One side of a call: per-sequence row ranges and which rows of the tensor they cover."""
-
-    offsets: torch.Tensor  # [B+1] int32, non-decreasing (span starts; the last entry bounds them)
-    lengths: torch.Tensor  # [B] int32
-    max_len: int  # a host bound on every length
-    seq: torch.Tensor  # [T] int64 sequence of each row (clamped)
-    covered: torch.Tensor  # [T] bool
-
-    @property
-    def pos(self) -> torch.Tensor:
-        rows = torch.arange(self.seq.numel(), device=self.seq.device)
-        return rows - self.offsets.long()[self.seq]
+from ..backends.kernel_problem import NO_FEATURES, KernelProblem, KernelRun, RowSpan
+from ..masks import AttnMaskType, MaskSpec
 
 
 def make_span(slot_starts: torch.Tensor, shift: torch.Tensor, lengths: torch.Tensor, total_rows: int, max_len: int) -> RowSpan:

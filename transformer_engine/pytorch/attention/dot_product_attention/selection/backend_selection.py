@@ -17,8 +17,8 @@ from typing import ContextManager, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
-from .backends import BACKENDS, backend_label
-from .environment import DEBUG_SLICE, BackendScope, env_snapshot, scoped
+from ..backends import BACKENDS, backend_label
+from ..environment import DEBUG_SLICE, BackendScope, env_snapshot, scoped
 from .libraries import InstalledLibraries, installed_libraries
 from .params import AttentionParams, params_from_key
 from .support import Reason
