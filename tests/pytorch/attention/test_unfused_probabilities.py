@@ -183,3 +183,14 @@ def test_probs_hook_output_is_what_multiplies_v(monkeypatch):
     (dv,) = torch.autograd.grad(doubled.sum(), [v])
     _close(doubled, 2 * plain)
     _close(dv, 2 * dv_plain)
+
+
+@pytest.mark.parametrize("softmax_type", ["vanilla", "learnable"])
+def test_no_query_rows_give_an_empty_output_and_zero_gradients(softmax_type):
+    q = torch.randn(2, 0, H, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 5, H, D, dtype=torch.float64, requires_grad=True)
+    dpa = DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="no_mask", attention_type="cross",
+                              softmax_type=softmax_type).double()
+    out = dpa(q, k, k)
+    out.sum().backward()
+    assert out.shape == (2, 0, H * D) and torch.all(k.grad == 0)

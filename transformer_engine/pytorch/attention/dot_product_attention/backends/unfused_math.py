@@ -157,7 +157,7 @@ def _core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: _ChunkCall, m
     step = max(1, max_scores_per_chunk() // (copies * max(1, b * h * k.shape[2])))
     outs, maxes = [], []
     # Split, not sliced: a slice's backward builds a zero-filled q-sized gradient per chunk.
-    for r0, q_rows in zip(range(0, sq, step), q.split(step, dim=2)):
+    for r0, q_rows in zip(range(0, max(sq, 1), step), q.split(step, dim=2)):  # sq = 0: one empty chunk
         args = (q_rows, k, v, call, masks, r0)
         if call.recompute:
             # The RNG state is restored for the recomputation only when dropout draws from it.

@@ -69,7 +69,7 @@ def _score_grads_(probs: torch.Tensor, dprobs: torch.Tensor) -> torch.Tensor:
     rows = probs.shape[-2]
     step = max(1, rows // _GRAD_BLOCKS)
     sums = []
-    for r0 in range(0, rows, step):
+    for r0 in range(0, max(rows, 1), step):  # rows = 0: one empty block
         p, dp = probs[..., r0 : r0 + step, :], dprobs[..., r0 : r0 + step, :]
         sums.append((p * dp).sum(dim=-1, keepdim=True))
         p.mul_(dp - sums[-1])
