@@ -10,7 +10,8 @@ Per case it prints one line:
   row_err    |row max - reference row max| over rows that see a key
   past_len   rows at or past a sequence's length: "untouched" (still the -inf the op put
              there) or "written" (then the max logit depends on the op masking them)
-  no_key     rows inside a sequence that see no key: "untouched" or the values found
+  no_key     rows inside a sequence that see no key: "untouched" or the values found, and
+             their stats as derived here and as the plain graph generates them
   stats_err  |derived stats (max + log sum_exp) - generated stats| over rows that see a key
   out_same   the output of both graphs agrees (max abs difference)
   sink       (sink cases) whether the row max is max(row max, sink): cuDNN folding the sink in
@@ -155,6 +156,8 @@ def compare(row_max, stats_gen, stats_der, max_logit, ref, opts):
         if (~seen).any():
             vals = got[:, ~seen]
             no_key.add("untouched" if torch.isneginf(vals).all() else f"values {vals.flatten()[:3].tolist()}")
+            der, gen = (t[b, :, :n, 0][:, ~seen].flatten()[:3].tolist() for t in (stats_der, stats_gen))
+            no_key.add(f"stats derived {der} / generated {gen}")
         rest = row_max[b, :, n:, 0]
         if rest.numel():
             past.add("untouched" if torch.isneginf(rest).all() else "written")

@@ -270,8 +270,7 @@ def test_max_logit_with_bias_and_alibi():
     b, s, h, d = 2, 128, 4, 64
     bias = torch.randn(1, h, s, s, device="cuda", dtype=torch.bfloat16) * 3
     dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="no_mask", return_max_logit=True)
-    _compare_max_logit(dpa, _dense(b, s, h, d), dict(core_attention_bias_type="post_scale_bias", core_attention_bias=bias),
-                       grad=False)
+    _compare_max_logit(dpa, _dense(b, s, h, d), dict(core_attention_bias_type="post_scale_bias", core_attention_bias=bias))
     dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="causal", return_max_logit=True)
     _compare_max_logit(dpa, _dense(b, s, h, d), dict(core_attention_bias_type="alibi"))
 
