@@ -40,7 +40,9 @@ run_file test_packed_qkv.py
 run_file test_multi_head_attention.py
 run_file test_gpu_backends.py
 run_file test_gpu_cudnn_features.py
+run_file test_gpu_num_splits.py
 run_file test_cudnn_wiring.py
+run_file test_cudnn_max_logit.py
 run_file test_fa3_adapter.py
 run_file test_library_adapters.py
 run_file test_kernel_interface.py

@@ -201,3 +201,4 @@ def test_policy_calls_share_buffers_without_row_owners(monkeypatch):
     assert torch.equal(out.detach().float().view(out.shape[0], -1)[:, 0], expect)
     for grad in (p.q.grad, p.k.grad, p.v.grad):
         assert torch.equal(grad.float()[:, 0, 0], expect)
+

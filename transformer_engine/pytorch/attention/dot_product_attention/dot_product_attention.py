@@ -166,7 +166,8 @@ class DotProductAttention(torch.nn.Module):
         # nothing of this dict, which eager calls keep changing.
         recipe = lookup(self._recipes, key) if key is not None else None
         if recipe is not None:
-            inp = recipe.inputs(self, layers, cus, max_seqlens, _packed_seqs, attn_mask_type_per_seq, thd_sequence_is_causal)
+            inp = recipe.inputs(self, layers, cus, max_seqlens, _packed_seqs, attn_mask_type_per_seq, thd_sequence_is_causal,
+                                num_splits)
             fmt, backend = recipe.qkv_format, recipe.selection.backend
             object.__setattr__(self, "last_selection", recipe.selection)
         else:
@@ -176,7 +177,7 @@ class DotProductAttention(torch.nn.Module):
                           attn_mask_type=attn_mask_type, window_size=window_size, pad_between_seqs=pad_between_seqs,
                           per_seq=attn_mask_type_per_seq, is_causal=thd_sequence_is_causal,
                           bottom_right_diagonal=bottom_right_diagonal, bias_type=core_attention_bias_type,
-                          bias=core_attention_bias, alibi_slopes=alibi_slopes, packed=_packed_seqs)
+                          bias=core_attention_bias, alibi_slopes=alibi_slopes, packed=_packed_seqs, num_splits=num_splits)
             backend = self._select(selection_params(self, inp, fmt, qkv.layout))
             if key is not None:
                 by_ids = None if attn_mask_type_per_seq is None and thd_sequence_is_causal is None else attn_mask_type_per_seq is not None

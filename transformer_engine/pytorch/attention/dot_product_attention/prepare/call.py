@@ -51,6 +51,7 @@ def prepare(
     bias: Optional[torch.Tensor],
     alibi_slopes: Optional[torch.Tensor],
     packed: Optional[PackedSides] = None,
+    num_splits: Optional[int] = None,
 ) -> AttentionInputs:
     """The checked, complete inputs of one call of ``module`` (a DotProductAttention).
 
@@ -58,6 +59,7 @@ def prepare(
     ``max_seqlens`` = (q, kv); ``per_seq`` / ``is_causal`` are ``attn_mask_type_per_seq`` /
     ``thd_sequence_is_causal``. ``packed``: both THD sides as :func:`.thd.prepare_sides` already
     returned them for these same arguments (MultiheadAttention's rotary path), not built again.
+    ``num_splits``: the forward's split-KV hint, checked by the caller (``check_num_splits``).
     """
     check_qkv(qkv.q, qkv.k, qkv.v, qkv_format, module.num_attention_heads_per_partition, module.num_gqa_groups_per_partition,
               module.head_dims)
@@ -86,7 +88,7 @@ def prepare(
         q, k, v, fmt, spec, module.softmax_scale, module.attention_dropout, packed_q=pq, packed_kv=pk, policies=policies,
         q_valid=dense[0], kv_valid=dense[1], arbitrary_mask=dense[2], bias_type=bias_type, bias=bias, bias_shape=bias_shape,
         alibi_slopes=alibi_slopes, softmax_type=module.softmax_type, softmax_offset=module.softmax_offset,
-        return_max_logit=module.return_max_logit)
+        return_max_logit=module.return_max_logit, num_splits=num_splits)
 
 
 def _packed_call(q, k, cus, max_seqlens, pad_between_seqs, per_seq, is_causal, raw_window, spec: MaskSpec,

@@ -160,9 +160,11 @@ def check_softmax_scale(scale) -> float:
 
 def check_num_splits(num_splits) -> None:
     """TE forwards num_splits to FlashAttention 3 as a split-KV performance hint; results do not
-    depend on it, and the kernels here choose their own splits, so it is checked and not used."""
+    depend on it. Here FA3 and FA4 take it where their declarations' NUM_SPLITS_MAJORS say so,
+    and every other backend ignores it."""
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0):
-        raise ValueError(f"num_splits must be None or a non-negative int (0/1 = the kernel chooses); got {num_splits!r}")
+        raise ValueError(f"num_splits must be None or a non-negative int (0 = the library's heuristic, 1 = no split); "
+                         f"got {num_splits!r}")
 
 
 def check_bottom_right_diagonal(value, mask: AttnMaskType, window, alibi: bool = False) -> AttnMaskType:

@@ -73,6 +73,10 @@ class BackendSupport:
     SUPPORTS_DIFFERENT_HEAD_DIM_V: ClassVar[bool] = True
     SUPPORTED_SOFTMAX_TYPES: ClassVar[FrozenSet[str]] = frozenset({"vanilla"})
     SUPPORTS_RETURN_MAX_LOGIT: ClassVar[bool] = False
+    # TE's num_splits is a split-KV performance hint: the compute-capability majors on which the
+    # backend passes it to its library. Elsewhere (and by every backend with none) it is
+    # ignored, as TE ignores it outside FlashAttention 3; results do not depend on it.
+    NUM_SPLITS_MAJORS: ClassVar[FrozenSet[int]] = frozenset()
     # Context parallelism: the comm types this backend runs the local steps of (its span kernel,
     # cp/spans.py, sits in its file; cp_kernels.KERNELS maps it). a2a runs the ordinary path on the whole sequence, so every backend.
     CP_COMM_TYPES: ClassVar[FrozenSet[str]] = frozenset({"a2a"})
@@ -209,6 +213,7 @@ class BackendSupport:
             "per-seq policy": yes(cls.SUPPORTS_PER_SEQ_POLICY),
             "softmax_type": ", ".join(t for t in SOFTMAX_TYPES if t in cls.SUPPORTED_SOFTMAX_TYPES),
             "return_max_logit": yes(cls.SUPPORTS_RETURN_MAX_LOGIT),
+            "num_splits": ", ".join(f"sm{m}x" for m in sorted(cls.NUM_SPLITS_MAJORS)) or "ignored",
         }
 
 
