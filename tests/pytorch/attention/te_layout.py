@@ -42,6 +42,9 @@ class Variant:
     interleaved: bool = True
     tp: int = 1
     softmax_type: str = "vanilla"
+    hidden: int = HID
+    heads: int = H
+    head_dim: int = D
 
     @property
     def interleaved_rows(self) -> bool:
@@ -49,7 +52,7 @@ class Variant:
 
     def kwargs(self) -> dict:
         """MultiheadAttention's keyword arguments for this variant (CPU, float64, no dropout)."""
-        kw = dict(attention_type=self.attention_type, input_layernorm=self.input_layernorm, normalization=self.normalization,
+        kw = dict(kv_channels=self.head_dim, attention_type=self.attention_type, input_layernorm=self.input_layernorm, normalization=self.normalization,
                   bias=self.bias, num_gqa_groups=self.hg, fuse_qkv_params=self.fuse, qkv_weight_interleaved=self.interleaved,
                   softmax_type=self.softmax_type, attention_dropout=0.0, params_dtype=torch.float64, device="cpu",
                   attn_mask_type="causal" if self.attention_type == "self" else "no_mask", layernorm_epsilon=EPS)
@@ -76,19 +79,19 @@ def _te_module(keys: List, prefix: str, blocks: Sequence[Tuple[str, int]], in_fe
 
 def te_keys(v: Variant) -> List[Tuple[str, Tuple[int, ...]]]:
     """TE's state dict entries for ``v``, in TE's order, with their shapes."""
-    q, kv = H * D // v.tp, v.hg * D // v.tp
-    split, ln = not v.fuse, v.input_layernorm
+    q, kv = v.heads * v.head_dim // v.tp, v.hg * v.head_dim // v.tp
+    split, ln, hid = not v.fuse, v.input_layernorm, v.hidden
     keys: List = []
     if v.attention_type == "self":
         blocks = [("query_", q), ("key_", kv), ("value_", kv)] if split else [("", q + 2 * kv)]
-        _te_module(keys, "layernorm_qkv." if ln else "qkv.", blocks, HID, v, ln)
+        _te_module(keys, "layernorm_qkv." if ln else "qkv.", blocks, hid, v, ln)
     else:
-        _te_module(keys, "layernorm_query." if ln else "query_layer.", [("query_", q)] if split and ln else [("", q)], HID, v, ln)
-        _te_module(keys, "key_value.", [("key_", kv), ("value_", kv)] if split else [("", 2 * kv)], HID, v, False)
+        _te_module(keys, "layernorm_query." if ln else "query_layer.", [("query_", q)] if split and ln else [("", q)], hid, v, ln)
+        _te_module(keys, "key_value.", [("key_", kv), ("value_", kv)] if split else [("", 2 * kv)], hid, v, False)
     if v.softmax_type == "learnable":
-        keys.append(("core_attention.softmax_offset", (H // v.tp,)))
+        keys.append(("core_attention.softmax_offset", (v.heads // v.tp,)))
     keys.append(("core_attention._extra_state", (0,)))
-    _te_module(keys, "proj.", [("", HID)], q, v, False)
+    _te_module(keys, "proj.", [("", hid)], q, v, False)
     return keys
 
 
@@ -120,20 +123,20 @@ def _linear(sd: Dict[str, torch.Tensor], prefix: str, x: torch.Tensor, norm: Opt
 
 
 def _qkv(sd, v: Variant, x: torch.Tensor, enc: Optional[torch.Tensor]):
-    h, g = H // v.tp, v.hg // v.tp
+    h, g, d = v.heads // v.tp, v.hg // v.tp, v.head_dim
     norm = v.normalization if v.input_layernorm else None
     if v.attention_type == "self":
         mixed = _linear(sd, "layernorm_qkv." if v.input_layernorm else "qkv.", x, norm)
         if v.interleaved_rows:
-            grouped = mixed.view(*mixed.shape[:-1], g, h // g + 2, D)
-            return grouped[..., : h // g, :].reshape(*mixed.shape[:-1], h, D), grouped[..., h // g, :], grouped[..., h // g + 1, :]
-        q, k, val = mixed.split([h * D, g * D, g * D], dim=-1)
-        return q.view(*q.shape[:-1], h, D), k.view(*k.shape[:-1], g, D), val.view(*val.shape[:-1], g, D)
+            grouped = mixed.view(*mixed.shape[:-1], g, h // g + 2, d)
+            return grouped[..., : h // g, :].reshape(*mixed.shape[:-1], h, d), grouped[..., h // g, :], grouped[..., h // g + 1, :]
+        q, k, val = mixed.split([h * d, g * d, g * d], dim=-1)
+        return q.view(*q.shape[:-1], h, d), k.view(*k.shape[:-1], g, d), val.view(*val.shape[:-1], g, d)
     q = _linear(sd, "layernorm_query." if v.input_layernorm else "query_layer.", x, norm)
     kv = _linear(sd, "key_value.", enc, None)
-    kv = kv.view(*kv.shape[:-1], g, 2, D) if v.interleaved_rows else kv.view(*kv.shape[:-1], 2, g, D)
+    kv = kv.view(*kv.shape[:-1], g, 2, d) if v.interleaved_rows else kv.view(*kv.shape[:-1], 2, g, d)
     k, val = kv.unbind(-2 if v.interleaved_rows else -3)
-    return q.view(*q.shape[:-1], h, D), k, val
+    return q.view(*q.shape[:-1], h, d), k, val
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -150,7 +153,7 @@ def te_forward(sd: Dict[str, torch.Tensor], v: Variant, x: torch.Tensor, enc: Op
     ``lengths`` (one packed batch used for both sides)."""
     assert v.tp == 1 and v.softmax_type == "vanilla"
     q, k, val = _qkv(sd, v, x, enc)
-    rep = H // v.hg
+    rep = v.heads // v.hg
     k, val = k.repeat_interleave(rep, dim=-2), val.repeat_interleave(rep, dim=-2)
     causal = v.attention_type == "self"
     if fmt == "thd":
