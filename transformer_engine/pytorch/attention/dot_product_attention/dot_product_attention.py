@@ -14,6 +14,7 @@ import torch
 import torch.utils.checkpoint
 
 from .cp.context_parallel import context_parallel_forward, make_cp_config
+from . import extra_state
 from .environment import compiling
 from ..tensor_parallel import per_partition, tp_world_size
 from .prepare.fast_path import call_key, lookup, recipe_of, remember
@@ -211,6 +212,10 @@ class DotProductAttention(torch.nn.Module):
         # costs microseconds per call looking for parameters and submodules.
         object.__setattr__(self, "last_selection", selection)
         return selection.backend
+
+    # TE's checkpoint entry ``_extra_state`` (FP8 state; empty without FP8): see extra_state.py.
+    get_extra_state, set_extra_state = extra_state.get_extra_state, extra_state.set_extra_state
+    _load_from_state_dict = extra_state.load_from_state_dict
 
 
 def _add_softmax_offset(module: torch.nn.Module, softmax_type: str, heads: int, get_rng_state_tracker) -> None:
