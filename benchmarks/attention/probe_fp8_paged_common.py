@@ -198,9 +198,11 @@ def scalar_value(t: torch.Tensor) -> float:
 
 
 def time_calls(fn: Callable[[], None], warmup: int = 3, reps: int = 20) -> dict:
-    """CUDA-event time per call over ``reps`` back-to-back eager calls after ``warmup``, and the
-    host's time per call over the same loop (where host time is the larger, the events measure
-    launch overhead, not the kernel)."""
+    """Eager, graph-free timing after ``warmup`` calls: ``ms_per_call`` is the CUDA-event time of
+    ``reps`` back-to-back calls (where the host is slower than the GPU this is launch overhead,
+    which ``host_ms_per_call`` shows), ``kernel_ms_per_call`` the same calls queued behind a GPU
+    sleep so they run back to back on the device (valid when ``kernel_timing_queued``: the host
+    had enqueued them all before the sleep ended)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -212,8 +214,32 @@ def time_calls(fn: Callable[[], None], warmup: int = 3, reps: int = 20) -> dict:
     end.record()
     host_s = time.perf_counter() - t0
     end.synchronize()
-    return dict(ms_per_call=_round(start.elapsed_time(end) / reps), host_ms_per_call=_round(host_s * 1e3 / reps), reps=reps,
-                warmup=warmup)
+    out = dict(ms_per_call=_round(start.elapsed_time(end) / reps), host_ms_per_call=_round(host_s * 1e3 / reps), reps=reps,
+               warmup=warmup)
+    out.update(_queued_time(fn, reps))
+    return out
+
+
+SLEEP_CYCLES = 200_000_000  # about 0.1 s of GPU clock: longer than enqueueing 20 calls
+
+
+def _queued_time(fn: Callable[[], None], reps: int) -> dict:
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is None:
+        return {}
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    torch.cuda.synchronize()
+    events[0].record()
+    sleep(SLEEP_CYCLES)
+    events[1].record()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    events[2].record()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    events[2].synchronize()
+    return dict(kernel_ms_per_call=_round(events[1].elapsed_time(events[2]) / reps),
+                kernel_timing_queued=host_ms < events[0].elapsed_time(events[1]))
 
 
 # ------------------------------------------------------------------ cuDNN graphs
