@@ -298,7 +298,7 @@ def graph_output(t, name: str, dims: Sequence[int], strides: Sequence[int], dtyp
 def finish(g) -> Tuple[object, int]:
     """Validate, plan and build as the package's cuDNN backend does; any failure is a
     :class:`Refused` carrying the library's text."""
-    from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import _finish
+    from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn.graphs import _finish
 
     try:
         return _finish(g)

@@ -48,7 +48,8 @@ class FusedAttention(BackendSupport):
             # Probed on the H200 (benchmarks/results/2026-12-03-h200/probe_cudnn.log): non-finite
             # results for THD at (256, 128); dense layouts and every other pair probed are fine.
             out.append(Reason("head_dim_v", f"{params.head_dim_v} with head_dim_qk=256 in thd", "256 with head_dim_qk=256 in thd"))
-        return (out + _probed_backward_reasons(params) + bias_thd_reasons(params) + _cudnn_feature_reasons(params)
+        return (out + _bottom_right_reasons(params) + _probed_backward_reasons(params) + bias_thd_reasons(params)
+                + _cudnn_feature_reasons(params)
                 + _sink_reasons(params, libs) + _max_logit_reasons(params, libs))
 
     @staticmethod
@@ -114,6 +115,21 @@ def _cudnn_name(version: Optional[int]) -> str:
     if version is None:
         return "of unknown version"
     return f"{version // 10000}.{version // 100 % 100}"
+
+
+def _bottom_right_reasons(params) -> List[Reason]:
+    """cudnn-frontend refuses a bottom-right causal band with s_q > s_kv unless a padding mask
+    (per-sequence lengths) comes with it (seen on the H200 with 1.32: "Bottom right causal mask
+    does not support max_s_q > max_s_kv"). THD always passes lengths; a dense call passes them
+    only with a padding mask."""
+    if params.qkv_format == "thd" or params.has_padding_mask or params.max_seqlen_q <= params.max_seqlen_kv:
+        return []
+    causal_br = [s for s in params.mask_specs if s.mask_type.is_causal and s.mask_type.bottom_right]
+    if not causal_br:
+        return []
+    return [Reason("attn_mask_type", f"{causal_br[0].mask_type.value} with max_seqlen_q={params.max_seqlen_q} > "
+                   f"max_seqlen_kv={params.max_seqlen_kv} and no padding mask",
+                   "max_seqlen_q <= max_seqlen_kv, a padding mask, or top-left causal (cudnn-frontend's rule)")]
 
 
 def _probed_backward_reasons(params) -> List[Reason]:
