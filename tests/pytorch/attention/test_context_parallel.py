@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from transformer_engine.pytorch import DotProductAttention, gather_context_parallel, get_cp_partition_indices, partition_for_context_parallel
-from transformer_engine.pytorch.attention.dot_product_attention.cp.context_parallel import cp_support_markdown
+from transformer_engine.pytorch.attention.dot_product_attention.cp.support import cp_support_markdown
 from transformer_engine.pytorch.attention.dot_product_attention.cp.comm import CPComm
 
 from .cp_cases import Case, worker

@@ -677,3 +677,6 @@ def _build_bwd(handle, q, k, v, o, do, dq, dk, dv, grads, b, sq, skv, scale, ban
     for name, gt, ref, s_max in (("dq", dq_t, dq, sq), ("dk", dk_t, dk, skv), ("dv", dv_t, dv, skv)):
         _declare_output(g, gt, name, ref, s_max, b, varlen)
     return _finish(g)
+
+
+FusedAttention.KERNEL = _CudnnKernel  # the declaration names its kernel interface (defined after the class)

@@ -55,6 +55,10 @@ class AttentionInputs:
     softmax_offset: Optional[torch.Tensor] = None
     # The backend's ``run`` then returns (output, max logit [H]) instead of the output alone.
     return_max_logit: bool = False
+    # Context parallelism: q/k/v hold this rank's share (1/cp_size of every sequence, TE's
+    # zigzag split) and THD metadata indexes the GLOBAL rows; 1 for an ordinary call. A record
+    # with cp_size > 1 is run by the cp/ entry, never by a backend directly.
+    cp_size: int = 1
 
     @property
     def is_thd(self) -> bool:

@@ -73,8 +73,13 @@ class BackendSupport:
     SUPPORTS_DIFFERENT_HEAD_DIM_V: ClassVar[bool] = True
     SUPPORTED_SOFTMAX_TYPES: ClassVar[FrozenSet[str]] = frozenset({"vanilla"})
     SUPPORTS_RETURN_MAX_LOGIT: ClassVar[bool] = False
-    # Context parallelism: the comm types this backend runs the local steps of (its span kernel,
-    # cp/spans.py, sits in its file; cp_kernels.KERNELS maps it). a2a runs the ordinary path on the whole sequence, so every backend.
+    # The backend's kernel interface (backends/kernel_problem.py: forward, backward,
+    # stats_to_rows, stats_from_rows), None where it has none. Context parallelism runs the
+    # ring and all-gather steps on it (cp/spans.py wraps it), so a backend declaring those comm
+    # types names one.
+    KERNEL: ClassVar[Optional[type]] = None
+    # Context parallelism: the comm types this backend runs. a2a calls the backend's ordinary
+    # run on the whole sequences after the all-to-all, so every backend; the others need KERNEL.
     CP_COMM_TYPES: ClassVar[FrozenSet[str]] = frozenset({"a2a"})
     NOTES: ClassVar[dict] = {}
 
