@@ -57,6 +57,8 @@ WORLD2 = [
     Case("err-a2a-heads", "a2a", h=3, hg=3, error=("NotImplementedError", "num_attention_heads=3")),
     Case("err-causal-cross", "p2p", mask="padding_causal", cross=True, error=("NotImplementedError", "self-attention sharing")),
     Case("p2p-thd-attention-mask-ignored", "p2p", thd_attention_mask=True),
+    Case("p2p-checkpoint", "p2p", checkpoint=True),
+    Case("a2a-bshd-checkpoint", "a2a", fmt="bshd", mask="causal", checkpoint=True),
     Case("err-bad-slot", "p2p", bad_slots=True, error=("ValueError", "divisible by 2 x cp size = 4")),
     Case("err-dense-length", "p2p", fmt="bshd", mask="causal", dense_len=3, error=("ValueError", "divisible by 2 x cp size = 4")),
 ]
