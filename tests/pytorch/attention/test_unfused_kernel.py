@@ -57,7 +57,7 @@ def _cum(xs):
     return out
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(span_calls())
 def test_span_calls_match_the_reference(call):
     """The span interface over the unfused kernel (what the ring and all-gather call)."""
