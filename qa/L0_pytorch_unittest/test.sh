@@ -46,6 +46,7 @@ run_file test_cudnn_max_logit.py
 run_file test_fa3_adapter.py
 run_file test_library_adapters.py
 run_file test_kernel_interface.py
+run_file test_unfused_kernel.py
 run_file test_gap_rows.py
 run_file test_te_import_surface.py
 run_file test_megatron_dropin.py

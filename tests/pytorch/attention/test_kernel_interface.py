@@ -22,9 +22,8 @@ import torch
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import backend_scope
 from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
-from transformer_engine.pytorch.attention.dot_product_attention.cp.kernels import UnfusedSpanKernel
-from transformer_engine.pytorch.attention.dot_product_attention.cp.kernels import KERNELS
-from transformer_engine.pytorch.attention.dot_product_attention.cp.spans import StepMask, make_span
+from transformer_engine.pytorch.attention.dot_product_attention.backends import FlashAttentionV4, FusedAttention, UnfusedDotProductAttention
+from transformer_engine.pytorch.attention.dot_product_attention.cp.spans import StepMask, make_span, span_kernel
 
 from .packing import make_thd
 
@@ -186,6 +185,9 @@ def lib(monkeypatch):
 # ------------------------------------------------------------------ context parallelism: one-run problems
 
 BACKENDS = {"fa4": "FlashAttention v4", "cudnn": "FusedAttention"}
+# The span interface context parallelism runs, per selected backend (over its declared KERNEL).
+KERNELS = {"FlashAttention v4": span_kernel(FlashAttentionV4, "p2p"), "FusedAttention": span_kernel(FusedAttention, "p2p")}
+UnfusedSpanKernel = span_kernel(UnfusedDotProductAttention, "p2p")
 
 
 def _spans():

@@ -309,3 +309,4 @@ def _mask_args(run: KernelRun) -> Tuple[bool, int, int]:
     return fa_mask_args(run.spec)
 
 
+FlashAttentionV4.KERNEL = _FA4Kernel  # the declaration names its kernel interface (defined after the class)

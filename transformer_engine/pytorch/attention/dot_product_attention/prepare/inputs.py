@@ -59,6 +59,10 @@ class AttentionInputs:
     # their declaration's NUM_SPLITS_MAJORS says so and ignore it elsewhere: results do not
     # depend on it. Per call: selection never reads it, so the fast path's key leaves it out.
     num_splits: Optional[int] = None
+    # Context parallelism: q/k/v hold this rank's share (1/cp_size of every sequence, TE's
+    # zigzag split) and THD metadata indexes the GLOBAL rows; 1 for an ordinary call. A record
+    # with cp_size > 1 is run by the cp/ entry, never by a backend directly.
+    cp_size: int = 1
 
     @property
     def is_thd(self) -> bool:

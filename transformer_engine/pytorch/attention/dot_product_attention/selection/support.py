@@ -77,8 +77,13 @@ class BackendSupport:
     # backend passes it to its library. Elsewhere (and by every backend with none) it is
     # ignored, as TE ignores it outside FlashAttention 3; results do not depend on it.
     NUM_SPLITS_MAJORS: ClassVar[FrozenSet[int]] = frozenset()
-    # Context parallelism: the comm types this backend runs the local steps of (its span kernel,
-    # cp/spans.py, sits in its file; cp_kernels.KERNELS maps it). a2a runs the ordinary path on the whole sequence, so every backend.
+    # The backend's kernel interface (backends/kernel_problem.py: forward, backward,
+    # stats_to_rows, stats_from_rows), None where it has none. Context parallelism runs the
+    # ring and all-gather steps on it (cp/spans.py wraps it), so a backend declaring those comm
+    # types names one.
+    KERNEL: ClassVar[Optional[type]] = None
+    # Context parallelism: the comm types this backend runs. a2a calls the backend's ordinary
+    # run on the whole sequences after the all-to-all, so every backend; the others need KERNEL.
     CP_COMM_TYPES: ClassVar[FrozenSet[str]] = frozenset({"a2a"})
     NOTES: ClassVar[dict] = {}
 

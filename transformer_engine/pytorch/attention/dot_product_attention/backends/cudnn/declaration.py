@@ -37,6 +37,7 @@ class FusedAttention(BackendSupport):
         "core_attention_bias_type": "cuDNN adds a bias after scaling only",
     }
     CP_COMM_TYPES = frozenset({"p2p", "all_gather", "a2a", "a2a+p2p"})
+    KERNEL = _CudnnKernel  # the one kernel interface (context parallelism's ring and all-gather steps run on it)
 
     @classmethod
     def _check_special(cls, params, libs):
