@@ -145,6 +145,15 @@ def test_a_forced_backend_without_its_library_names_backend_package_and_install(
     assert current_scope() is None
 
 
+def test_install_hints_name_setup_pys_extras_and_pins():
+    from build_tools.utils import OPTIONAL_DEPENDENCIES
+    from transformer_engine.pytorch.attention.dot_product_attention.selection.libraries import LIBRARY_INSTALLS
+
+    for field, extra in (("flash_attn_2", "fa2"), ("flash_attn_4", "fa4"), ("cudnn_frontend", "cudnn")):
+        (pin,) = OPTIONAL_DEPENDENCIES[extra]
+        assert f'pip install -e ".[{extra}]"' in LIBRARY_INSTALLS[field].pip and pin in LIBRARY_INSTALLS[field].pip
+
+
 def test_other_missing_modules_pass_through_unchanged(monkeypatch):
     """A dependency of the library, or a module the block imports itself, is not the forced
     backend's library being absent: the original error leaves the block."""
