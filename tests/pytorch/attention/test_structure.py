@@ -52,7 +52,7 @@ def test_old_module_paths_are_gone(module):
 def test_utils_holds_only_te_names_and_backends_no_private_ones():
     utils = importlib.import_module(f"{DPA}.utils")
     public = {n for n in vars(utils) if not n.startswith("__")}
-    assert public == {"AttentionParams", "get_attention_backend", "get_qkv_layout"}
+    assert public == {"AttentionLogging", "AttentionParams", "get_attention_backend", "get_qkv_layout"}
     backends = importlib.import_module(f"{DPA}.backends")
     private = {n for n, v in vars(backends).items() if n.startswith("_") and not n.startswith("__") and not isinstance(v, type(utils))}
     assert private == set()

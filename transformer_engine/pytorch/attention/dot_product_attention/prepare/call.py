@@ -26,7 +26,7 @@ from ..selection.params import AttentionParams
 from .inputs import AttentionInputs
 from .policies import SeqPolicies, parse_policies, reject_per_seq
 from .packed_seqs import PackedSeqs, prepare_sides
-from .validation import check_bias, check_bottom_right_diagonal, check_mask_and_format, check_qkv, dense_padding
+from .validation import check_bias, check_bottom_right_diagonal, check_mask_and_format, check_policy_diagonals, check_qkv, dense_padding
 
 PackedSides = Tuple[PackedSeqs, PackedSeqs]
 
@@ -84,7 +84,8 @@ def prepare(
     if qkv_format == "thd":
         if cp_size > 1:
             packed = prepare_sides(cus, max_seqlens, pad_between_seqs, (q.shape[0] * cp_size, k.shape[0] * cp_size), q.device)
-        pq, pk, policies, spec = _packed_call(q, k, cus, max_seqlens, pad_between_seqs, per_seq, is_causal, raw_window, spec, packed)
+        pq, pk, policies, spec = _packed_call(q, k, cus, max_seqlens, pad_between_seqs, per_seq, is_causal, raw_window, spec, packed,
+                                              bottom_right_diagonal)
         sizes = (pq.batch_size, pq.max_seqlen, pk.max_seqlen)
     else:
         reject_per_seq(per_seq, is_causal, f"qkv_format={qkv_format!r}")
@@ -102,12 +103,15 @@ def prepare(
 
 
 def _packed_call(q, k, cus, max_seqlens, pad_between_seqs, per_seq, is_causal, raw_window, spec: MaskSpec,
-                 packed: Optional[PackedSides]) -> Tuple[PackedSeqs, PackedSeqs, Optional[SeqPolicies], MaskSpec]:
+                 packed: Optional[PackedSides], bottom_right_diagonal: Optional[bool] = None
+                 ) -> Tuple[PackedSeqs, PackedSeqs, Optional[SeqPolicies], MaskSpec]:
     """Both packed sides, the per-sequence policies and the call's mask of a THD call."""
     if packed is None:
         packed = prepare_sides(cus, max_seqlens, pad_between_seqs, (q.shape[0], k.shape[0]), q.device)
     pq, pk = packed
     policies = parse_policies(per_seq, is_causal, pq.batch_size, q.device, raw_window)
+    if policies is not None:  # checked before a uniform policy becomes the call's mask
+        check_policy_diagonals(bottom_right_diagonal, policies.specs, "attn_mask_type_per_seq" if per_seq is not None else "thd_sequence_is_causal")
     if policies is not None and policies.uniform_spec() is not None:
         # A uniform policy is exactly the scalar path: one call, same results.
         return pq, pk, None, policies.uniform_spec()
