@@ -6,6 +6,7 @@ filled from the :class:`StepPlan` made here, into tensors of fixed shapes.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ class StepPlan:
         """Cached lengths before the step: each sequence's first new token's position."""
         return tuple(c - s for c, s in zip(self.cached_lens, self.step_lens))
 
-    @property
+    @functools.cached_property
     def moves(self) -> Tuple[Tuple[int, int], ...]:
         """(old row, new row) of the continuing sequences whose batch row changes."""
         return tuple((old, new) for new, old in enumerate(self.old_rows) if old is not None and old != new)
@@ -50,16 +51,23 @@ class StepPlan:
         return OrderedDict(zip(self.seq_ids, self.cached_lens))
 
 
-def check_step_dict(step_dict, max_batch_size: int, max_ctx_len: Optional[int] = None) -> "OrderedDict[Hashable, int]":
+class CheckedStepDict(OrderedDict):
+    """A step dict :func:`check_step_dict` has checked (its lengths Python ints): the manager
+    that ``InferenceParams.pre_step`` hands it to does not check it again."""
+
+
+def check_step_dict(step_dict, max_batch_size: int, max_ctx_len: Optional[int] = None) -> CheckedStepDict:
     """``step_dict`` (sequence id -> number of new tokens this step) checked and with its lengths
     as Python ints, in the caller's order."""
+    if isinstance(step_dict, CheckedStepDict):
+        return step_dict
     if not isinstance(step_dict, Mapping):
         raise TypeError(f"step_dict must be an OrderedDict of sequence id -> step length; got {type(step_dict).__name__}")
     if len(step_dict) > max_batch_size:
         raise ValueError(
             f"step_dict has {len(step_dict)} sequences; max_batch_size is {max_batch_size}"
         )
-    checked = OrderedDict()
+    checked = CheckedStepDict()
     for seq, n in step_dict.items():
         if isinstance(seq, torch.Tensor):
             # A tensor hashes by identity: the same id as a fresh tensor each step would never match.
@@ -69,7 +77,8 @@ def check_step_dict(step_dict, max_batch_size: int, max_ctx_len: Optional[int] =
 
 
 def _step_length(seq, n, max_ctx_len: Optional[int]) -> int:
-    n = positive_int(f"step_dict[{seq!r}] (new tokens this step)", n)
+    if type(n) is not int or n < 1:  # the common case (a positive int) costs one test
+        n = positive_int(f"step_dict[{seq!r}] (new tokens this step)", n)
     if max_ctx_len is not None and n > max_ctx_len:
         raise ValueError(f"step_dict[{seq!r}]={n} is longer than max_ctx_len={max_ctx_len}, the longest step per sequence")
     return n

@@ -198,11 +198,15 @@ class InferenceParams:
 
     def _strided_offsets(self, batch: int, stride: int) -> torch.Tensor:
         """[batch+1] int32 ``b * stride``: made once per shape and kept (constant, so a captured
-        graph may read it). Make the first one of a shape outside a graph capture."""
+        graph may read it)."""
         key = (batch, stride)
-        if key not in self._offsets:
-            self._offsets[key] = torch.arange(0, (batch + 1) * stride, stride, dtype=torch.int32, device=self.device)
-        return self._offsets[key]
+        if key in self._offsets:
+            return self._offsets[key]
+        offsets = torch.arange(0, (batch + 1) * stride, stride, dtype=torch.int32, device=self.device)
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return offsets  # filled by the graph's replays only: not for eager steps to reuse
+        self._offsets[key] = offsets
+        return offsets
 
     def convert_paged_to_nonpaged(self, layer_number: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer_number``'s K/V of the current batch gathered through the page table:

@@ -43,10 +43,6 @@ class StagedTensor:
             self._pending = False
         return self._host
 
-    def host_view(self) -> torch.Tensor:
-        """The host side as last written, for reading (the device side holds the same values)."""
-        return self._host
-
     def upload(self) -> None:
         self.device_tensor.copy_(self._host, non_blocking=True)
         if self._uploaded is not None:
