@@ -97,5 +97,5 @@ class KVCacheStep(NamedTuple):
         input format ([B, Sq, H, Dv], [Sq, B, H, Dv] or [T, H, Dv])."""
         if self.qkv_format == "thd":
             return out
-        dense = out.view(self.batch_size, self.max_seqlen_q, *out.shape[1:])
+        dense = out.reshape(self.batch_size, self.max_seqlen_q, *out.shape[1:])
         return dense if self.qkv_format == "bshd" else dense.transpose(0, 1)
