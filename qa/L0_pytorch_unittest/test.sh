@@ -61,6 +61,7 @@ run_file test_gpu_context_parallel.py
 run_file test_gpu_cp_sync_free.py
 run_file test_te_matrix.py
 run_file test_thd_properties.py
+run_file test_kv_cache.py
 run_file test_hardening.py
 run_file test_structure.py
 run_file test_install.py
