@@ -30,6 +30,6 @@ OPTIONAL_DEPENDENCIES = {
     # triton (+ numpy, which its CPU interpreter needs): the gap-row kernel is tested without a GPU
     # megatron-core: the drop-in tests run its TEDotProductAttention and a small GPT on CPU; its
     # own requirements are torch, numpy and packaging only (no second torch is pulled).
-    "test": ["pytest>=7", "hypothesis>=6", "triton>=3.2", "numpy", "megatron-core>=0.16,<0.17"],
+    "test": ["pytest>=7", "hypothesis>=6", "triton>=3.2", "numpy", "packaging", "megatron-core>=0.16,<0.17"],
     "bench": ["matplotlib>=3.7"],
 }

@@ -127,7 +127,7 @@ def cudnn_direct(lengths, d, causal, alibi=False, dropout_p=0.0):
 
 
 def _cudnn_fn(args, inputs, bias, alibi, dropout_p):
-    from transformer_engine.pytorch.attention.dot_product_attention.backends import cudnn
+    from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import ops as cudnn
 
     class Fn(torch.autograd.Function):
         @staticmethod

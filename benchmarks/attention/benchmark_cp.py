@@ -88,12 +88,13 @@ def scaling(args) -> None:
 
 def one_gpu(args) -> None:
     from transformer_engine.pytorch.attention.dot_product_attention.cp.algorithms import CPProblem, ring_plan
-    from transformer_engine.pytorch.attention.dot_product_attention.cp.kernels import KERNELS
+    from transformer_engine.pytorch.attention.dot_product_attention.backends import FlashAttentionV4, FusedAttention
+    from transformer_engine.pytorch.attention.dot_product_attention.cp.spans import span_kernel
     from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType, MaskSpec
     from transformer_engine.pytorch.attention.dot_product_attention.cp.partition import get_cp_partition_indices
 
     dev = torch.device("cuda")
-    kernel = KERNELS["FlashAttention v4" if args.backend == "fa4" else "FusedAttention"]
+    kernel = span_kernel(FlashAttentionV4 if args.backend == "fa4" else FusedAttention, "p2p")
     cu, off, total = _batch(8, dev)
     spec = MaskSpec(AttnMaskType.PADDING_CAUSAL, (-1, 0))
     lengths = torch.diff(cu).long()

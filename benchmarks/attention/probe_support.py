@@ -111,15 +111,15 @@ def _run_fa4(case):
 
 
 def _run_cudnn(case):
-    from transformer_engine.pytorch.attention.dot_product_attention.backends import cudnn
+    from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import graphs, ops
 
     q, k, v, meta = _make(case)
     variant = case.get("variant", "as_is")
     if variant == "accum_scaled":
         # Hypothesis: the dQ accumulator is sized in tokens but indexed with q's ragged (element)
         # offsets, so a packed q (token stride 3*h*d) needs a proportionally larger accumulator.
-        orig = cudnn._round64
-        cudnn._round64 = lambda n: orig(n * 3)
+        orig = graphs._round64
+        graphs._round64 = lambda n: orig(n * 3)
     scale = case["dqk"] ** -0.5
     if meta is None:
         args = (None, None, None, None, q.shape[0], q.shape[1], k.shape[1])
@@ -127,13 +127,13 @@ def _run_cudnn(case):
         _, off, lens = meta
         args = (off, off, lens, lens, len(LENGTHS), max(LENGTHS), max(LENGTHS))
     out = q.new_zeros(*q.shape[:-1], v.shape[-1])
-    stats = cudnn.cudnn_fwd(q, k, v, out, *args, scale, case["causal"], -1, -1, False)
+    stats = ops.cudnn_fwd(q, k, v, out, *args, scale, case["causal"], -1, -1, False)
     torch.cuda.synchronize()
     _STAGE[0] = "bwd"
     if variant == "contiguous_bwd":
         q, k, v = (t.contiguous() for t in (q, k, v))
     dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    cudnn.cudnn_bwd(torch.randn_like(out), q, k, v, out, stats, dq, dk, dv, *args, scale, case["causal"], -1, -1, False, False)
+    ops.cudnn_bwd(torch.randn_like(out), q, k, v, out, stats, dq, dk, dv, *args, scale, case["causal"], -1, -1, False, False)
     torch.cuda.synchronize()
     return bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(t).all()) for t in (dq, dk, dv))
 

@@ -9,6 +9,7 @@ importable, subclassable stand-ins that raise ``NotImplementedError`` when used.
 
 from . import distributed, fp8, ops, router, tensor
 from .attention import DotProductAttention, MultiheadAttention
+from .attention.inference import InferenceParams, KVCacheManager, NonPagedKVCacheManager, PagedKVCacheManager
 from .fp8 import fp8_autocast, fp8_model_init
 from .module import GroupedLinear, LayerNorm, LayerNormLinear, Linear, RMSNorm
 from .attention.dot_product_attention.cp.partition import (
@@ -20,6 +21,10 @@ from .attention.dot_product_attention.cp.partition import (
 __all__ = [
     "DotProductAttention",
     "MultiheadAttention",
+    "InferenceParams",
+    "KVCacheManager",
+    "NonPagedKVCacheManager",
+    "PagedKVCacheManager",
     "GroupedLinear",
     "LayerNorm",
     "LayerNormLinear",

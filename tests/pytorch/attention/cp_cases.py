@@ -40,6 +40,7 @@ class Case:
     dense_len: int = 0  # local rows per rank for bshd/sbhd (0: 2 chunks of 4)
     d: int = 8  # head dim
     thd_attention_mask: bool = False  # pass an attention_mask along with THD: ignored, as without CP
+    checkpoint: bool = False  # checkpoint_core_attention=True (the schedule runs again in the backward)
 
 
 def _slots(lengths: List[int], multiple: int, gaps: bool) -> List[int]:
@@ -177,6 +178,8 @@ def run_case(case: Case, world: int, rank: int, cp_group, device="cpu", check_to
     batch = _thd_batch(case, world, device, dtype) if case.fmt == "thd" else _dense_batch(case, world, device, dtype)
     if case.thd_attention_mask:
         batch.kwargs["attention_mask"] = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)  # would mask all
+    if case.checkpoint:
+        batch.kwargs["checkpoint_core_attention"] = True
     dpa = DotProductAttention(case.h, case.d, num_gqa_groups=case.hg, qkv_format=case.fmt, attn_mask_type=case.mask,
                               cp_group=cp_group, cp_comm_type=case.comm, attention_dropout=case.dropout)
     slots = batch.kwargs.get("cu_seqlens_q_padded", batch.kwargs.get("cu_seqlens_q"))

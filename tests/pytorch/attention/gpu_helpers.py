@@ -32,6 +32,16 @@ def env(**values):
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def sync_errors():
+    """Inside the block, an operation that synchronizes the host with the GPU raises."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def run_on(label, dpa, *args, expect_refusal=None, **kwargs):
     """Run dpa on backend ``label`` ("unfused" for the unfused one) and no other.
 

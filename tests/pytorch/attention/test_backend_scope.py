@@ -5,6 +5,7 @@ was asked for is not the one that ran, and the old module paths forward assignme
 
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import replace
 
@@ -111,6 +112,57 @@ def test_the_fast_path_sees_the_scope():
         dpa(q, k, v)
     dpa(q, k, v)
     assert dpa.last_selection.label == "UnfusedDotProductAttention"
+
+
+# ------------------------------------------------------- a forced backend without its library
+
+MISSING = [  # (force, the module blocked, what the message must say)
+    ("fa4", "flash_attn.cute.interface", "backend_scope(force='FlashAttention v4') ran FlashAttention v4, which needs "
+     "flash-attn-4; it is not installed (import of 'flash_attn.cute.interface' failed). Install it (pip install -e "
+     "\".[fa4]\" in this repository, or pip install flash-attn-4==4.0.0b36)"),
+    ("cudnn", "cudnn", "backend_scope(force='FusedAttention') ran FusedAttention, which needs nvidia-cudnn-frontend; it "
+     "is not installed (import of 'cudnn' failed). Install it (pip install -e \".[cudnn]\" in this repository"),
+    ("fa3", "flash_attn_interface", "which needs flash_attn_interface (FA3, the hopper build of flash-attention); it is "
+     "not installed (import of 'flash_attn_interface' failed). Install it (no wheel exists: build and install "
+     "flash-attention's hopper/ directory)"),
+    ("fa2", "flash_attn", "which needs flash-attn (2.x); it is not installed (import of 'flash_attn' failed). Install it "
+     "(pip install -e \".[fa2]\" in this repository"),
+]
+
+
+@pytest.mark.parametrize("force,module,message", MISSING, ids=[m[0] for m in MISSING])
+def test_a_forced_backend_without_its_library_names_backend_package_and_install(force, module, message, monkeypatch):
+    monkeypatch.setitem(sys.modules, module, None)  # an import of it fails, whatever is installed
+    from transformer_engine.pytorch.attention.dot_product_attention.selection.backend_selection import BackendLibraryMissing
+
+    dpa = DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="causal")
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv())
+    with pytest.raises(BackendLibraryMissing) as err, backend_scope(force=force):
+        dpa(q, k, v)
+    assert message in str(err.value)
+    assert isinstance(err.value, ModuleNotFoundError) and err.value.name == module
+    assert isinstance(err.value.__cause__, ModuleNotFoundError)
+    assert current_scope() is None
+
+
+def test_install_hints_name_setup_pys_extras_and_pins():
+    from build_tools.utils import OPTIONAL_DEPENDENCIES
+    from transformer_engine.pytorch.attention.dot_product_attention.selection.libraries import LIBRARY_INSTALLS
+
+    for field, extra in (("flash_attn_2", "fa2"), ("flash_attn_4", "fa4"), ("cudnn_frontend", "cudnn")):
+        (pin,) = OPTIONAL_DEPENDENCIES[extra]
+        assert f'pip install -e ".[{extra}]"' in LIBRARY_INSTALLS[field].pip and pin in LIBRARY_INSTALLS[field].pip
+
+
+def test_other_missing_modules_pass_through_unchanged(monkeypatch):
+    """A dependency of the library, or a module the block imports itself, is not the forced
+    backend's library being absent: the original error leaves the block."""
+    with pytest.raises(ModuleNotFoundError) as err, backend_scope(force="fa4"):
+        raise ModuleNotFoundError("No module named 'cutlass'", name="cutlass")
+    assert type(err.value) is ModuleNotFoundError
+    with pytest.raises(ModuleNotFoundError) as err, backend_scope(allow=["fa4", "unfused"]):
+        raise ModuleNotFoundError("No module named 'flash_attn'", name="flash_attn")
+    assert type(err.value) is ModuleNotFoundError
 
 
 # ---------------------------------------------------------------------------------- run_on

@@ -44,10 +44,10 @@ TABLE = [
      "FlashAttention v2", {"FusedAttention": "alibi_slopes=shape (16,)"}),
     ("alibi-cross", replace(THD, core_attention_bias_type="alibi", shared_cu_seqlens=False), ALL, {},
      "UnfusedDotProductAttention", {"FusedAttention": "sq != skv possible with alibi"}),
-    ("bias-dense", replace(THD, qkv_format="bshd", attn_mask_type=M.CAUSAL, core_attention_bias_type="post_scale_bias",
+    ("bias-dense", replace(THD, qkv_format="bshd", qkv_layout=None, attn_mask_type=M.CAUSAL, core_attention_bias_type="post_scale_bias",
                            core_attention_bias_shape="1hss"), ALL, {}, "FusedAttention",
      {"FlashAttention v2": "core_attention_bias_type=post_scale_bias"}),
-    ("pre-scale-bias", replace(THD, qkv_format="bshd", attn_mask_type=M.CAUSAL, core_attention_bias_type="pre_scale_bias",
+    ("pre-scale-bias", replace(THD, qkv_format="bshd", qkv_layout=None, attn_mask_type=M.CAUSAL, core_attention_bias_type="pre_scale_bias",
                                core_attention_bias_shape="1hss"), ALL, {}, "UnfusedDotProductAttention",
      {"FusedAttention": "cuDNN adds a bias after scaling only"}),
     ("bias-thd", replace(THD, core_attention_bias_type="post_scale_bias", core_attention_bias_shape="1hss"), ALL, {}, None,
@@ -60,7 +60,7 @@ TABLE = [
     ("per-seq-fa2-only", replace(THD, per_seq_policies=POLICIES), FA2_ONLY, {}, "UnfusedDotProductAttention",
      {"FlashAttention v2": "attn_mask_type_per_seq"}),
     ("per-seq", replace(THD, per_seq_policies=POLICIES, pad_between_seqs=True), ALL, {}, "FlashAttention v4", {}),
-    ("arbitrary", replace(THD, qkv_format="bshd", attn_mask_type=M.ARBITRARY, window_size=(-1, -1)), ALL, {},
+    ("arbitrary", replace(THD, qkv_format="bshd", qkv_layout=None, attn_mask_type=M.ARBITRARY, window_size=(-1, -1)), ALL, {},
      "UnfusedDotProductAttention", {"FlashAttention v4": "attn_mask_type=arbitrary", "FusedAttention": "arbitrary"}),
     ("top-left-cross", replace(THD, shared_cu_seqlens=False), ALL, {}, "FusedAttention",
      {"FlashAttention v4": "bottom-right"}),
@@ -68,10 +68,10 @@ TABLE = [
      "FlashAttention v4", {}),
     ("head-dim-512", replace(THD, head_dim_qk=512, head_dim_v=512), ALL, {}, "UnfusedDotProductAttention",
      {"FlashAttention v4": "head_dim_qk=512", "FusedAttention": "head_dim_qk=512"}),
-    ("alibi-dense", replace(THD, qkv_format="bshd", attn_mask_type=M.NO_MASK, window_size=(-1, -1),
+    ("alibi-dense", replace(THD, qkv_format="bshd", qkv_layout=None, attn_mask_type=M.NO_MASK, window_size=(-1, -1),
                             core_attention_bias_type="alibi"), ALL, {}, "FlashAttention v2",
      {"FlashAttention v4": "core_attention_bias_type=alibi", "FusedAttention": "needs a right bound of 0"}),
-    ("dense-padding", replace(THD, qkv_format="bshd", has_padding_mask=True), ALL, {}, "FusedAttention",
+    ("dense-padding", replace(THD, qkv_format="bshd", qkv_layout=None, has_padding_mask=True), ALL, {}, "FusedAttention",
      {"FlashAttention v4": "attention_mask"}),
     ("env-flash-off", THD, ALL, {"NVTE_FLASH_ATTN": "0"}, "FusedAttention", {"FlashAttention v4": "NVTE_FLASH_ATTN=0"}),
     ("env-v4-off", THD, ALL, {"NVTE_FLASH_ATTN_V4": "0"}, "FusedAttention", {"FlashAttention v4": "NVTE_FLASH_ATTN_V4=0"}),
@@ -149,3 +149,204 @@ def test_readme_support_matrix_is_generated_from_declarations():
 
     readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     assert support_matrix_markdown() in readme, "regenerate the README matrix with: te-attention-backend --matrix"
+
+
+# ------------------------------------------------------------------------- TE's spelling
+# TE's tests (tests/pytorch/utils.py: get_available_attention_backends) build AttentionParams from
+# a model configuration with a layout string and string mask types, unpack the six-element tuple,
+# record it in _attention_backends and compare the fused element with FusedAttnBackend[...] for
+# each NVTE_FUSED_ATTN_BACKEND. The same steps here, written for this package.
+
+
+class _Config:
+    """A TE-style model configuration (the fields TE's ModelConfig carries)."""
+
+    def __init__(self, batch_size, max_seqlen_q, num_heads, head_dim_qk, attn_mask_type="no_mask", attn_bias_type="no_bias",
+                 dropout_p=0.0, num_gqa_groups=None):
+        self.batch_size, self.max_seqlen_q, self.max_seqlen_kv = batch_size, max_seqlen_q, max_seqlen_q
+        self.num_heads, self.num_gqa_groups = num_heads, num_gqa_groups or num_heads
+        self.head_dim_qk = self.head_dim_v = head_dim_qk
+        self.attn_mask_type, self.attn_bias_type, self.dropout_p = attn_mask_type, attn_bias_type, dropout_p
+
+
+def _te_style_backends(config, qkv_dtype, qkv_layout, monkeypatch, window_size=None, fp8=False, fp8_meta=None,
+                       is_training=True):
+    from transformer_engine.pytorch.attention.dot_product_attention import _attention_backends
+    from transformer_engine.pytorch.attention.dot_product_attention.utils import AttentionLogging
+    from transformer_engine.pytorch.attention.dot_product_attention.utils import AttentionParams as UtilsParams
+    from transformer_engine.pytorch.attention.dot_product_attention.utils import get_attention_backend as utils_select
+    from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend
+
+    if not AttentionLogging._is_logging_setup:
+        AttentionLogging.setup_logging()
+    fused_backends, available, flash_backend = [], None, None
+    for i, name in enumerate(("F16_max512_seqlen", "F16_arbitrary_seqlen", "FP8")):
+        monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", str(i))
+        params = UtilsParams(
+            qkv_dtype=qkv_dtype, qkv_layout=qkv_layout, batch_size=config.batch_size, num_heads=config.num_heads,
+            num_gqa_groups=config.num_gqa_groups, max_seqlen_q=config.max_seqlen_q, max_seqlen_kv=config.max_seqlen_kv,
+            head_dim_qk=config.head_dim_qk, head_dim_v=config.head_dim_v, attn_mask_type=config.attn_mask_type,
+            window_size=window_size, alibi_slopes_shape=None, core_attention_bias_type=config.attn_bias_type,
+            core_attention_bias_shape=None, core_attention_bias_requires_grad=False, pad_between_seqs=False,
+            attention_dropout=config.dropout_p, context_parallel=False, deterministic=False, fp8=fp8, fp8_meta=fp8_meta,
+            is_training=is_training, inference_params=None)
+        (use_flash_attention, flash_backend, use_fused_attention, fused_attention_backend, use_unfused_attention,
+         available) = utils_select(params)
+        _attention_backends.update(use_flash_attention=use_flash_attention, use_fused_attention=use_fused_attention,
+                                   flash_attention_backend=flash_backend, fused_attention_backend=fused_attention_backend,
+                                   use_unfused_attention=use_unfused_attention, backend_selection_requires_update=False)
+        if fused_attention_backend == FusedAttnBackend[name]:
+            fused_backends.append(fused_attention_backend)
+    return available, flash_backend, fused_backends
+
+
+@pytest.mark.parametrize("layout", ["thd_thd_thd", "bshd_bshd_bshd", "sbh3d", "bs3hd", "thd_t2hd"])
+def test_te_call_pattern_on_a_machine_with_every_library(layout, monkeypatch):
+    from packaging.version import Version
+
+    from transformer_engine.pytorch.attention.dot_product_attention.selection import backend_selection
+    from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend
+
+    monkeypatch.setattr(backend_selection, "installed_libraries", lambda: ALL)  # TE's call passes no libraries
+    mask = "padding_causal" if layout.startswith("t") else "causal"
+    config = _Config(2, 2048, 16, 128, attn_mask_type=mask)
+    available, flash_backend, fused_backends = _te_style_backends(config, torch.bfloat16, layout, monkeypatch)
+    assert available == [True, True, True]
+    assert flash_backend == Version("4.0.0b36") and isinstance(flash_backend, Version)
+    assert fused_backends == [FusedAttnBackend["F16_arbitrary_seqlen"]]
+    assert int(fused_backends[0]) == 1
+
+
+def test_te_call_pattern_without_gpu_libraries(monkeypatch):
+    from transformer_engine.pytorch.attention.dot_product_attention import _attention_backends
+    from transformer_engine.pytorch.attention.dot_product_attention.selection import backend_selection
+
+    monkeypatch.setattr(backend_selection, "installed_libraries", lambda: NONE)
+    config = _Config(2, 128, 16, 64, attn_mask_type="padding_causal")
+    available, flash_backend, fused_backends = _te_style_backends(config, torch.bfloat16, "thd_thd_thd", monkeypatch)
+    assert (available, flash_backend, fused_backends) == ([False, False, True], None, [])
+    assert _attention_backends["use_unfused_attention"] is True and _attention_backends["use_flash_attention"] is False
+
+
+def test_te_call_pattern_fp8_meta_without_fp8_dpa_is_high_precision_attention(monkeypatch):
+    from transformer_engine.common.recipe import DelayedScaling
+    from transformer_engine.pytorch.attention.dot_product_attention.selection import backend_selection
+
+    monkeypatch.setattr(backend_selection, "installed_libraries", lambda: ALL)
+    config = _Config(2, 512, 16, 64, attn_mask_type="causal")
+    meta = {"recipe": DelayedScaling(fp8_dpa=False)}
+    available, _, _ = _te_style_backends(config, torch.bfloat16, "bshd_bshd_bshd", monkeypatch, fp8=True, fp8_meta=meta)
+    assert available == [True, True, True]
+    params = AttentionParams(qkv_layout="bshd_bshd_bshd", fp8=True, fp8_meta=meta)
+    assert params.fp8 is False
+    assert AttentionParams(qkv_layout="bshd_bshd_bshd", fp8=True, fp8_meta={"recipe": DelayedScaling(fp8_dpa=True)}).fp8 is True
+    with pytest.raises(TypeError, match="fp8_meta must be None or TE's FP8 metadata dict"):
+        AttentionParams(fp8=True, fp8_meta=[1])
+
+
+@pytest.mark.parametrize("mask", [m.value for m in M])
+def test_string_mask_types_are_parsed_once(mask):
+    params = AttentionParams(attn_mask_type=mask, qkv_layout="thd_thd_thd" if mask.startswith("padding") else "bshd_bshd_bshd")
+    assert params.attn_mask_type is M(mask)
+    assert params.window_size == ((-1, 0) if "causal" in mask else (-1, -1))  # TE's window=None, normalized
+    get_attention_backend(params, ALL)  # the selection reads .is_causal: once an AttributeError on a str
+
+
+def test_unknown_mask_type_is_named():
+    with pytest.raises(ValueError, match="attn_mask_type must be one of no_mask, padding, .*; got 'causal_top_left'"):
+        AttentionParams(attn_mask_type="causal_top_left")
+
+
+@pytest.mark.parametrize("layout,fmt", [
+    ("sb3hd", "sbhd"), ("sbh3d", "sbhd"), ("sbhd_sb2hd", "sbhd"), ("bshd_bsh2d", "bshd"), ("bshd_bshd_bshd", "bshd"),
+    ("t3hd", "thd"), ("thd_th2d", "thd"), ("thd_thd_thd", "thd"), ("thd_bshd_bshd", "thd_2bshd"),
+    ("sbhd_bshd_bshd", "sbhd_2bshd"), ("paged_kv_thd_sbhd_sbhd", "thd_2sbhd"), ("paged_kv_bshd_bshd_bshd", "bshd"),
+])
+def test_the_format_is_read_from_the_layout(layout, fmt):
+    params = AttentionParams(qkv_layout=layout)
+    assert (params.qkv_format, params.qkv_layout) == (fmt, layout)
+    assert AttentionParams(qkv_format=fmt, qkv_layout=layout) == params
+
+
+def test_format_alone_implies_separate_tensors_and_nothing_gives_tes_default():
+    assert AttentionParams(qkv_format="thd").qkv_layout == "thd_thd_thd"
+    assert AttentionParams(qkv_format="thd_2bshd").qkv_layout == "thd_bshd_bshd"
+    assert (AttentionParams().qkv_format, AttentionParams().qkv_layout) == ("sbhd", "sbh3d")
+
+
+@pytest.mark.parametrize("kwargs,exc,message", [
+    (dict(qkv_layout="thd_thd_thd", qkv_format="sbhd"), ValueError,
+     "qkv_format='sbhd' does not match qkv_layout='thd_thd_thd', whose format is 'thd'"),
+    (dict(qkv_layout="bshd_thd_thd"), ValueError, "qkv_layout must be one of sb3hd, sbh3d, .*; got 'bshd_thd_thd'"),
+    (dict(qkv_format="hbsd"), ValueError, "qkv_format must be None or one of sbhd, bshd, thd, .*; got 'hbsd'"),
+    (dict(qkv_type=int), TypeError, "qkv_type must be torch.Tensor or a subclass of it .*; got <class 'int'>"),
+])
+def test_bad_te_fields_are_named(kwargs, exc, message):
+    with pytest.raises(exc, match=message):
+        AttentionParams(**kwargs)
+
+
+def test_mixed_format_layouts_are_refused_by_reason():
+    selection = get_attention_backend(AttentionParams(qkv_layout="thd_bshd_bshd", attn_mask_type="padding_causal"), ALL)
+    assert selection.backend is None
+    assert "qkv_format=thd_2bshd (supported: bshd, sbhd, thd)" in "; ".join(map(str, selection.reasons_for("FusedAttention")))
+
+
+def test_te_only_fields_reach_the_reasons():
+    from transformer_engine.pytorch.tensor import Float8Tensor
+
+    selection = get_attention_backend(replace(THD, qkv_type=Float8Tensor), ALL)
+    assert selection.backend is None
+    assert "qkv_type=Float8Tensor (supported: torch.Tensor" in "; ".join(map(str, selection.reasons_for("UnfusedDotProductAttention")))
+    kv = AttentionParams(qkv_layout="bshd_bshd_bshd", inference_params=object())
+    assert kv.kv_cache is True and kv == replace(kv, inference_params=object())  # folded; the object is not compared
+    assert "inference_params=given (KV caching)" in "; ".join(map(str, get_attention_backend(kv, ALL).reasons_for("FusedAttention")))
+    assert AttentionParams(context_parallel=True).cp_comm_type == "p2p"  # TE's default
+    assert AttentionParams(alibi_slopes_shape=[16], compute_capability=[9, 0]).alibi_slopes_shape == (16,)
+
+
+def test_the_tuple_follows_the_choice_and_a_forced_backend():
+    from transformer_engine.pytorch.attention import backend_scope
+    from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend
+
+    a100 = get_attention_backend(replace(THD, compute_capability=(8, 0)), ALL)
+    assert a100.label == "FusedAttention"
+    use_flash, flash_version, use_fused, fused, use_unfused, available = a100
+    assert (use_flash, use_fused, use_unfused, available) == (False, True, False, [True, True, True])
+    assert str(flash_version) == "2.7.4"  # flash-attn 2 could run it (FA4 needs sm90)
+    assert fused is FusedAttnBackend["F16_arbitrary_seqlen"]
+    assert a100[2] is True and len(a100) == 6 and a100.label == "FusedAttention"  # still the rich object
+    with backend_scope(force="unfused"):
+        forced = tuple(get_attention_backend(THD, ALL))
+    assert forced == (False, None, False, None, True, [False, False, True])
+
+
+def test_a_hopper_build_without_metadata_reads_as_version_3():
+    from packaging.version import Version
+
+    fa3_only = InstalledLibraries(flash_attn_3="unknown")
+    assert get_attention_backend(THD, fa3_only)[1] == Version("3")
+
+
+def test_te_spelling_survives_the_compile_key():
+    from transformer_engine.pytorch.attention.dot_product_attention.selection.params import params_from_key, params_key
+
+    params = AttentionParams(qkv_layout="thd_t2hd", attn_mask_type="padding_causal", window_size=None, fp8=True,
+                             fp8_meta={"recipe": None}, inference_params=object(), deterministic=True)
+    assert params_from_key(params_key(params)) == params
+
+
+def test_cli_says_what_a_machine_with_every_library_would_choose(capsys, monkeypatch):
+    from transformer_engine.pytorch.attention.dot_product_attention.selection import explain
+
+    monkeypatch.setattr(explain, "installed_libraries", lambda: NONE)
+    assert explain_main(["--format", "thd", "--mask", "padding_causal", "--head-dim", "128"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("selected: UnfusedDotProductAttention")
+    assert ("note: this answer is for this machine, where flash-attn (2.x), flash_attn_interface (FA3, the hopper build of "
+            "flash-attention), flash-attn-4, nvidia-cudnn-frontend are not installed; with every GPU library installed, "
+            "FlashAttention v4 would be selected (run with --assume-all-libraries for its report)") in out
+    assert explain_main(["--format", "thd", "--device", "cpu"]) == 0  # the same answer everywhere: no note
+    assert "note:" not in capsys.readouterr().out
+    assert explain_main(["--format", "thd", "--assume-all-libraries"]) == 0
+    assert "note:" not in capsys.readouterr().out

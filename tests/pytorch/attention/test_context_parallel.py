@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from transformer_engine.pytorch import DotProductAttention, gather_context_parallel, get_cp_partition_indices, partition_for_context_parallel
-from transformer_engine.pytorch.attention.dot_product_attention.cp.context_parallel import cp_support_markdown
+from transformer_engine.pytorch.attention.dot_product_attention.cp.support import cp_support_markdown
 from transformer_engine.pytorch.attention.dot_product_attention.cp.comm import CPComm
 
 from .cp_cases import Case, worker
@@ -57,6 +57,8 @@ WORLD2 = [
     Case("err-a2a-heads", "a2a", h=3, hg=3, error=("NotImplementedError", "num_attention_heads=3")),
     Case("err-causal-cross", "p2p", mask="padding_causal", cross=True, error=("NotImplementedError", "self-attention sharing")),
     Case("p2p-thd-attention-mask-ignored", "p2p", thd_attention_mask=True),
+    Case("p2p-checkpoint", "p2p", checkpoint=True),
+    Case("a2a-bshd-checkpoint", "a2a", fmt="bshd", mask="causal", checkpoint=True),
     Case("err-bad-slot", "p2p", bad_slots=True, error=("ValueError", "divisible by 2 x cp size = 4")),
     Case("err-dense-length", "p2p", fmt="bshd", mask="causal", dense_len=3, error=("ValueError", "divisible by 2 x cp size = 4")),
 ]
@@ -197,3 +199,98 @@ def test_dropout_refused_by_name_before_communication(comm):
     dpa.eval()  # dropout is off outside training: the same call is accepted (and then communicates)
     with pytest.raises(AssertionError, match="communicated before refusing"):
         dpa(q, k, v, **kwargs)
+
+
+# ---------------------------------------------------------------------------------- one entrance
+
+
+class _Stop(Exception):
+    pass
+
+
+def _prepared(monkeypatch, dpa, *args, **kwargs):
+    """The AttentionInputs DotProductAttention.forward prepares for this call; a CP call is
+    stopped there (its transport is _NoWireComm)."""
+    from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as module
+
+    seen, original = [], module.prepare
+
+    def spy(*a, **kw):
+        seen.append(original(*a, **kw))
+        if seen[-1].cp_size > 1:
+            raise _Stop
+        return seen[-1]
+
+    monkeypatch.setattr(module, "prepare", spy)
+    try:
+        dpa(*args, **kwargs)
+    except _Stop:
+        pass
+    (inp,) = seen
+    return inp
+
+
+ENTRANCE_CASES = {
+    "thd-gaps-policies": ("thd", dict(thd_sequence_is_causal=torch.tensor([True, False, True]))),
+    "thd-no-gaps": ("thd", {}),
+    "bshd": ("bshd", {}),
+    "sbhd": ("sbhd", {}),
+}
+
+
+def _entrance_batch(fmt, gaps):
+    g = torch.Generator().manual_seed(5)
+    if fmt == "thd":
+        cu = torch.tensor([0, 5, 18, 19] if gaps else [0, 8, 24, 28], dtype=torch.int32)
+        pad = torch.tensor([0, 8, 24, 28], dtype=torch.int32)
+        q, k, v = (torch.randn(28, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+        kwargs = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=13 if gaps else 16, max_seqlen_kv=13 if gaps else 16)
+        if gaps:
+            kwargs.update(cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad)
+        return (q, k, v), kwargs, pad
+    shape = (2, 8, 4, 8) if fmt == "bshd" else (8, 2, 4, 8)
+    return tuple(torch.randn(*shape, generator=g, dtype=torch.float64) for _ in range(3)), {}, None
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("case", list(ENTRANCE_CASES))
+def test_cp_and_module_calls_prepare_the_same_record(monkeypatch, case, rank):
+    """One entrance: a CP call (this rank's rows, TE's global metadata) and a module call on the
+    whole batch build the same AttentionInputs, field by field and fact by fact; only the rows
+    (this rank's share of the module call's) and cp_size differ."""
+    from dataclasses import fields, replace
+
+    from transformer_engine.pytorch.attention.dot_product_attention.prepare.call import selection_params
+
+    fmt, extra = ENTRANCE_CASES[case]
+    (q, k, v), kwargs, slots = _entrance_batch(fmt, case != "thd-no-gaps")
+    kwargs.update(extra, qkv_format=fmt, attn_mask_type="padding_causal" if fmt == "thd" else "causal")
+    comm = _NoWireComm()
+    comm.rank = rank
+    cp_dpa = DotProductAttention(4, 8, cp_group=comm, cp_comm_type="a2a")
+    local = [partition_for_context_parallel(t, 2, rank, fmt, slots if slots is not None else kwargs.get("cu_seqlens_q")) for t in (q, k, v)]
+    got = _prepared(monkeypatch, cp_dpa, *local, **kwargs)
+    want = _prepared(monkeypatch, DotProductAttention(4, 8), q, k, v, **kwargs)
+    assert (got.cp_size, want.cp_size) == (2, 1)
+    for f in fields(got):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if f.name in ("q", "k", "v"):  # the bshd view of this rank's rows
+            seq_dim = 0 if fmt == "thd" else 1
+            assert torch.equal(a, partition_for_context_parallel(b, 2, rank, "thd" if fmt == "thd" else "bshd", slots, seq_dim)), f.name
+        elif f.name in ("packed_q", "packed_kv") and a is not None:
+            assert torch.equal(a.cu_seqlens, b.cu_seqlens) and torch.equal(a.offsets, b.offsets), f.name
+            assert (a.max_seqlen, a.total_tokens, a.bounded, a.has_gaps) == (b.max_seqlen, b.total_tokens, b.bounded, b.has_gaps)
+        elif f.name == "policies" and a is not None:
+            assert (a.specs, a.maybe_nonempty, a.sizes) == (b.specs, b.maybe_nonempty, b.sizes)
+            assert torch.equal(a.policy_of_seq, b.policy_of_seq)
+        elif f.name != "cp_size":
+            assert a == b if not isinstance(a, torch.Tensor) else a is b, f.name
+    # The facts selection reads: the module call's, with the form of the calls CP makes (a2a:
+    # the record's own form after the all-to-all; p2p: packed spans with gaps).
+    layout = "_".join([fmt] * 3)
+    plain = replace(selection_params(cp_dpa, want, fmt, layout), context_parallel=True)
+    whole = "bshd" if fmt == "sbhd" else fmt
+    assert selection_params(cp_dpa, got, fmt, layout, context_parallel=True, cp_comm_type="a2a") == replace(
+        plain, cp_comm_type="a2a", qkv_format=whole, qkv_layout="_".join([whole] * 3))
+    assert selection_params(cp_dpa, got, fmt, layout, context_parallel=True, cp_comm_type="p2p") == replace(
+        plain, cp_comm_type="p2p", qkv_format="thd", qkv_layout="thd_thd_thd", pad_between_seqs=True, shared_cu_seqlens=True)

@@ -201,3 +201,26 @@ def test_policy_calls_share_buffers_without_row_owners(monkeypatch):
     assert torch.equal(out.detach().float().view(out.shape[0], -1)[:, 0], expect)
     for grad in (p.q.grad, p.k.grad, p.v.grad):
         assert torch.equal(grad.float()[:, 0, 0], expect)
+
+
+
+@pytest.mark.parametrize("mask", ["causal_bottom_right", "padding_causal_bottom_right"])
+def test_bottom_right_with_more_queries_than_keys_needs_lengths(mask):
+    """cudnn-frontend refuses a bottom-right causal band with s_q > s_kv unless per-sequence
+    lengths come with it (H200, frontend 1.32): a dense call without a padding mask is refused by
+    name; with one, THD, s_q <= s_kv, or top-left causal it is not."""
+    from dataclasses import replace
+
+    from transformer_engine.pytorch.attention.dot_product_attention import AttentionParams, get_attention_backend
+    from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType
+    from transformer_engine.pytorch.attention.dot_product_attention.selection.libraries import InstalledLibraries
+
+    libs = InstalledLibraries(cudnn_frontend="1.32.0")
+    base = AttentionParams(qkv_format="bshd", qkv_layout="bshd_bshd_bshd", attn_mask_type=AttnMaskType(mask),
+                           window_size=(-1, 0), max_seqlen_q=192, max_seqlen_kv=128, head_dim_qk=64, head_dim_v=64)
+    why = " ".join(map(str, get_attention_backend(base, libs).reasons_for("FusedAttention")))
+    assert "max_seqlen_q=192 > max_seqlen_kv=128 and no padding mask" in why
+    for ok in (replace(base, has_padding_mask=True), replace(base, max_seqlen_q=128),
+               replace(base, attn_mask_type=AttnMaskType.CAUSAL),
+               replace(base, qkv_format="thd", qkv_layout="thd_thd_thd")):
+        assert "max_seqlen_kv" not in " ".join(map(str, get_attention_backend(ok, libs).reasons_for("FusedAttention")))

@@ -144,8 +144,9 @@ def _emulated_attention(q, k, v, nq, nk, scale, causal, left, right):
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def fake_fa4_fwd(q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, max_q, max_kv, scale, causal, left, right, learnable_sink=None):
-    assert learnable_sink is None  # vanilla softmax in these tests
+def fake_fa4_fwd(q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, max_q, max_kv, scale, causal, left, right, learnable_sink=None,
+                 num_splits=None):
+    assert learnable_sink is None  # vanilla softmax in these tests (num_splits: a hint, results do not depend on it)
     for b, (oq, ok_, nq, nk) in enumerate(_sequences(cu_q, cu_kv, used_q, used_kv)):
         if nq == 0:
             continue  # FA4 skips the sequence: its rows stay unwritten

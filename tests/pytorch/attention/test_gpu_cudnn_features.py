@@ -1,4 +1,4 @@
-"""FusedAttention's bias, ALiBi and dropout on the GPU (skipped without CUDA).
+"""FusedAttention's bias, ALiBi, dropout and return_max_logit on the GPU (skipped without CUDA).
 
 Bias and ALiBi are compared with the unfused backend, forward and backward (dBias included).
 Dropout cannot be compared value by value (the generators differ), so its tests check what a
@@ -6,6 +6,10 @@ correct dropout must satisfy: the backward drops exactly the probabilities the f
 (with V = identity the output IS the dropped probability matrix, and dV must equal
 out^T @ dout), the drop rate and the 1/(1-p) scaling, repeatability under torch.manual_seed, and
 no dropout in eval mode.
+
+The max logit (``return_max_logit=True``: cuDNN's score_max reduced to [H]) is compared with the
+unfused backend's, with the output and the gradients (the backward runs from stats derived from
+the row max and sum of exponents), dense and THD, causal and not, GQA, padding, bias and ALiBi.
 """
 
 from __future__ import annotations
@@ -187,3 +191,96 @@ def test_dropout_in_cuda_graph_draws_fresh_masks():
     torch.cuda.synchronize()
     assert torch.isfinite(first).all()
     assert not torch.equal(first, out), "each replay must draw a new dropout mask"
+
+
+# ----------------------------------------------------------------------------- return_max_logit
+
+MAX_TOL = 5e-3  # scores are float32 sums of bf16 products on both sides; a wrong scale would be off by 10%+
+
+
+def _compare_max_logit(dpa, inputs, kwargs, grad=True):
+    """cuDNN's (out, max logit) and gradients against the unfused backend's on the same inputs."""
+    leaves = [t.detach().clone().requires_grad_(grad) for t in inputs]
+    ref_leaves = [t.detach().clone().requires_grad_(grad) for t in inputs]
+    with torch.set_grad_enabled(grad):
+        out, max_logit = run_on(FUSED, dpa, *leaves, **kwargs)
+        ref, ref_max = run_on("unfused", dpa, *ref_leaves, **kwargs)
+    assert max_logit.dtype == torch.float32 and max_logit.shape == (inputs[0].shape[-2],)
+    assert not max_logit.requires_grad and torch.isfinite(max_logit).all(), max_logit
+    assert rel_err(out, ref) < TOL, f"out: {rel_err(out, ref):.2e}"
+    torch.testing.assert_close(max_logit, ref_max.float(), rtol=MAX_TOL, atol=MAX_TOL)
+    if grad:
+        g = torch.randn_like(out)
+        for name, a, b in zip(["dq", "dk", "dv"], grads_of(out, leaves, g), grads_of(ref, ref_leaves, g)):
+            assert torch.isfinite(a).all(), f"{name} has non-finite values"
+            assert rel_err(a, b) < 4 * TOL, f"{name}: {rel_err(a, b):.2e}"
+    return out, max_logit
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+@pytest.mark.parametrize("hg", [8, 2])
+def test_max_logit_dense(fmt, mask, hg, grad):
+    b, s, h, d = 2, 256, 8, 64
+    inputs = _dense(b, s, h, d, hg=hg)
+    if fmt == "sbhd":
+        inputs = [t.detach().transpose(0, 1).contiguous() for t in inputs]
+    dpa = DotProductAttention(h, d, num_gqa_groups=hg, qkv_format=fmt, attn_mask_type=mask, return_max_logit=True)
+    _compare_max_logit(dpa, inputs, {}, grad)
+
+
+def test_max_logit_dense_cross_attention_bottom_right():
+    """sq < skv, bottom-right causal: each row sees a different number of keys. (sq > skv without a
+    padding mask is cudnn-frontend's refusal: see test_backend_selection's cuDNN rules.)"""
+    q = _dense(2, 128, 4, 64)[0]
+    k, v = _dense(2, 192, 4, 64)[1:]
+    dpa = DotProductAttention(4, 64, qkv_format="bshd", attn_mask_type="causal_bottom_right", return_max_logit=True)
+    _compare_max_logit(dpa, [q, k, v], {})
+
+
+def test_max_logit_dense_padding():
+    b, s, h, d = 3, 128, 4, 64
+    pad = torch.arange(s, device="cuda").view(1, s) >= torch.tensor([s, 77, 5], device="cuda").view(b, 1)
+    dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="padding_causal", return_max_logit=True)
+    _compare_max_logit(dpa, _dense(b, s, h, d), dict(attention_mask=pad.view(b, 1, 1, s)))
+
+
+@pytest.mark.parametrize("gaps", [False, True])
+@pytest.mark.parametrize("mask", ["padding", "padding_causal"])
+@pytest.mark.parametrize("hg", [8, 2])
+def test_max_logit_thd(gaps, mask, hg):
+    lengths, h, d = [100, 300, 37, 1, 200], 8, 64
+    p = make_thd(lengths, gaps_q=[12, 0, 27, 1, 64] if gaps else None, h=h, hg=hg, d=d, dtype=torch.bfloat16, device="cuda")
+    dpa = DotProductAttention(h, d, num_gqa_groups=hg, qkv_format="thd", attn_mask_type=mask, return_max_logit=True)
+    out, _ = _compare_max_logit(dpa, [p.q, p.k, p.v], p.kwargs(gaps, max(lengths), max(lengths), shared=True))
+    assert torch.all(out[~p.valid_q] == 0)
+
+
+def test_max_logit_thd_cross_attention_and_policies():
+    """Own key lengths (one sequence without keys), and two mask policies (two cuDNN runs)."""
+    lq, lkv, h, d = [64, 130, 17, 90], [80, 0, 33, 90], 8, 64
+    p = make_thd(lq, lkv, gaps_q=[3, 0, 5, 0], gaps_kv=[0, 4, 0, 2], h=h, hg=4, d=d, dtype=torch.bfloat16, device="cuda")
+    dpa = DotProductAttention(h, d, num_gqa_groups=4, qkv_format="thd", attn_mask_type="padding", return_max_logit=True)
+    kwargs = dict(p.kwargs(True, max(lq), max(lkv)),
+                  attn_mask_type_per_seq={"padding_causal_bottom_right": torch.tensor([0, 2], device="cuda"),
+                                          "padding": torch.tensor([1, 3], device="cuda")})
+    _compare_max_logit(dpa, [p.q, p.k, p.v], kwargs)
+
+
+def test_max_logit_with_bias_and_alibi():
+    b, s, h, d = 2, 128, 4, 64
+    bias = torch.randn(1, h, s, s, device="cuda", dtype=torch.bfloat16) * 3
+    dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="no_mask", return_max_logit=True)
+    _compare_max_logit(dpa, _dense(b, s, h, d), dict(core_attention_bias_type="post_scale_bias", core_attention_bias=bias))
+    dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="causal", return_max_logit=True)
+    _compare_max_logit(dpa, _dense(b, s, h, d), dict(core_attention_bias_type="alibi"))
+
+
+def test_max_logit_with_a_sink_runs_on_the_unfused_backend():
+    """cuDNN's score max takes the sink in; selection sends such a call to the unfused backend."""
+    q = _dense(1, 64, 4, 64, requires_grad=False)[0]
+    dpa = DotProductAttention(4, 64, qkv_format="bshd", softmax_type="learnable", return_max_logit=True).cuda()
+    dpa(q, q, q)
+    assert dpa.last_selection.label == "UnfusedDotProductAttention"
+    assert "cuDNN's score max includes the sink logit" in dpa.last_selection.report()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from transformer_engine.pytorch import DotProductAttention
-from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import SINK_THD_BACKWARD_MIN_CUDNN
+from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn.declaration import SINK_THD_BACKWARD_MIN_CUDNN
 from transformer_engine.pytorch.attention.dot_product_attention.selection.libraries import installed_libraries
 
 from .gpu_helpers import rel_err, run_on
@@ -105,8 +105,7 @@ def test_cudnn_dense_padding_sinks(softmax_type, mask):
 def test_return_max_logit_runs_on_the_unfused_backend_on_cuda():
     q = torch.randn(2, 64, H, D, device="cuda", dtype=torch.bfloat16)
     dpa = DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="causal", return_max_logit=True)
-    out, max_logit = dpa(q, q, q)
-    assert dpa.last_selection.label == "UnfusedDotProductAttention"
+    out, max_logit = run_on("unfused", dpa, q, q, q)  # cuDNN's is test_gpu_cudnn_features'
     scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), q.float()) / D ** 0.5
     scores = scores.masked_fill(~torch.ones(64, 64, dtype=torch.bool, device="cuda").tril(), float("-inf"))
     assert torch.allclose(max_logit, scores.amax(dim=(0, 2, 3)), rtol=1e-5, atol=1e-5)

@@ -225,23 +225,23 @@ def test_zero_row_inputs_with_sequences(monkeypatch, gather):
 
 
 def test_cudnn_graph_cache_is_a_bounded_lru(monkeypatch):
-    from transformer_engine.pytorch.attention.dot_product_attention.backends import cudnn  # where the cache lives
+    from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import graphs  # where the cache lives
 
-    monkeypatch.setattr(cudnn, "_graphs", type(cudnn._graphs)())
-    monkeypatch.setattr(cudnn, "MAX_GRAPHS", 3)
+    monkeypatch.setattr(graphs, "_graphs", type(graphs._graphs)())
+    monkeypatch.setattr(graphs, "MAX_GRAPHS", 3)
     built = []
 
     def build(key):
         return lambda: built.append(key) or ("graph", key)
 
     for key in "abc":
-        assert cudnn._cached(key, build(key)) == ("graph", key)
-    assert cudnn._cached("a", build("a")) == ("graph", "a")  # a hit: not rebuilt, now most recent
-    cudnn._cached("d", build("d"))  # evicts the least recently used: b
+        assert graphs.cached(key, build(key)) == ("graph", key)
+    assert graphs.cached("a", build("a")) == ("graph", "a")  # a hit: not rebuilt, now most recent
+    graphs.cached("d", build("d"))  # evicts the least recently used: b
     assert built == ["a", "b", "c", "d"]
-    assert list(cudnn._graphs) == ["c", "a", "d"]
-    cudnn._cached("b", build("b"))  # rebuilt after eviction
-    assert built[-1] == "b" and len(cudnn._graphs) == 3
+    assert list(graphs._graphs) == ["c", "a", "d"]
+    graphs.cached("b", build("b"))  # rebuilt after eviction
+    assert built[-1] == "b" and len(graphs._graphs) == 3
 
 
 # ------------------------------------------------------------------------------ CUDA: bounded, then named

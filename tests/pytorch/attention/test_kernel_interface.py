@@ -22,9 +22,8 @@ import torch
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import backend_scope
 from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
-from transformer_engine.pytorch.attention.dot_product_attention.cp.kernels import UnfusedSpanKernel
-from transformer_engine.pytorch.attention.dot_product_attention.cp.kernels import KERNELS
-from transformer_engine.pytorch.attention.dot_product_attention.cp.spans import StepMask, make_span
+from transformer_engine.pytorch.attention.dot_product_attention.backends import FlashAttentionV4, FusedAttention, UnfusedDotProductAttention
+from transformer_engine.pytorch.attention.dot_product_attention.cp.spans import StepMask, make_span, span_kernel
 
 from .packing import make_thd
 
@@ -109,8 +108,8 @@ class StandIn:
                 t.fill_(math.nan)
 
     def fa4_fwd(self, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, max_q, max_kv, scale, causal, left, right,
-                learnable_sink=None):
-        assert q.dim() == 3 and lse is not None and learnable_sink is None
+                learnable_sink=None, num_splits=None):
+        assert q.dim() == 3 and lse is not None and learnable_sink is None and num_splits is None
         self.calls.append(("fa4_fwd", dict(cu_q=cu_q, cu_kv=cu_kv, used_q=used_q, used_kv=used_kv, max_q=max_q,
                                            max_kv=max_kv, scale=scale, mask=(causal, left, right))))
         self._fresh(out, lse)
@@ -186,6 +185,9 @@ def lib(monkeypatch):
 # ------------------------------------------------------------------ context parallelism: one-run problems
 
 BACKENDS = {"fa4": "FlashAttention v4", "cudnn": "FusedAttention"}
+# The span interface context parallelism runs, per selected backend (over its declared KERNEL).
+KERNELS = {"FlashAttention v4": span_kernel(FlashAttentionV4, "p2p"), "FusedAttention": span_kernel(FusedAttention, "p2p")}
+UnfusedSpanKernel = span_kernel(UnfusedDotProductAttention, "p2p")
 
 
 def _spans():
@@ -388,7 +390,7 @@ def test_module_dense_rows_that_see_no_key(lib, sq, skv, mask):
 
 def test_cudnn_run_without_lengths_reads_them_from_the_offsets():
     """KernelRun's "no lengths: up to the next offset", as cuDNN's ragged graphs need lengths."""
-    from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import _run_args
+    from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn.kernel import _run_args
     from transformer_engine.pytorch.attention.dot_product_attention.backends.kernel_problem import KernelProblem, KernelRun
     from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType, MaskSpec
 

@@ -333,3 +333,56 @@ def test_fa4_dense_call_passes_no_max_seqlen(fa4_calls):
     (kw,) = fwd_kw
     assert kw["max_seqlen_q"] is None and kw["max_seqlen_k"] is None and kw["cu_seqlens_q"] is None
     assert kw["return_lse"] is False and kw["learnable_sink"] is sink and kw["out"] is out
+
+
+# ------------------------------------------------------------------ num_splits (TE's split-KV hint)
+
+
+@pytest.mark.parametrize("splits", [0, 1, 3])
+def test_fa3_takes_num_splits_dense_and_varlen(monkeypatch, splits):
+    dense, varlen = Library(fa3_func, dense_compute), Library(fa3_varlen_func, varlen_compute)
+    _install(monkeypatch, "flash_attn_interface", flash_attn_func=dense, flash_attn_varlen_func=varlen)
+    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="bshd", attn_mask_type="causal", softmax_scale=SCALE)
+    _parity(dpa, _dense_inputs("bshd", 5, 5), dict(num_splits=splits), "fa3")
+    p = make_thd([5, 3, 7], gaps_q=[2, 0, 3], h=H, hg=HG, d=D, tail=2)
+    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd", attn_mask_type="padding_causal", softmax_scale=SCALE)
+    _parity(dpa, [p.q, p.k, p.v], dict(p.kwargs(True, 7, 7, shared=True), num_splits=splits), "fa3")
+    for call in dense.calls + varlen.calls:
+        assert "num_splits" in call["_keywords"] and call["num_splits"] == splits
+
+
+def test_fa4_takes_num_splits_in_the_forward_only(fa4_calls):
+    p = make_thd([5, 3, 7], gaps_q=[2, 0, 3], h=H, hg=HG, d=D, tail=2)
+    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd", attn_mask_type="padding_causal", softmax_scale=SCALE)
+    _parity(dpa, [p.q, p.k, p.v], dict(p.kwargs(True, 7, 7, shared=True), num_splits=4), "fa4")
+    (_, fwd), (_, bwd) = fa4_calls
+    assert fwd["num_splits"] == 4 and "num_splits" not in bwd  # split-KV is a forward feature
+
+
+def test_num_splits_is_a_per_call_value_on_the_fast_path(fa4_calls):
+    """Two calls with the same host facts share the fast path's cached recipe; each still sends
+    its own num_splits (a per-call field of the prepared record), and a call without sends none."""
+    p = make_thd([5, 3, 7], h=H, hg=HG, d=D)
+    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd", attn_mask_type="padding_causal", softmax_scale=SCALE)
+    with backend_scope(force="fa4"), torch.no_grad():
+        for splits in (2, 5, None):
+            dpa(p.q, p.k, p.v, **p.kwargs(False, 7, 7, shared=True), num_splits=splits)
+    assert len(dpa._recipes) == 1, "one recipe: num_splits is not part of the fast path's key"
+    assert [kw.get("num_splits") for _, kw in fa4_calls] == [2, 5, None]
+
+
+@pytest.mark.parametrize("cc,passed", [((9, 0), False), ((10, 0), True)])
+def test_fa4_drops_num_splits_where_it_has_no_split_kv(monkeypatch, cc, passed):
+    """flash-attn-4 4.0.0b36 asserts "SplitKV not supported on SM 9.0" (and its heuristic,
+    num_splits=0, may split there too): on sm9x the hint is dropped, on sm10x passed."""
+    monkeypatch.setattr(fa4, "compute_capability", lambda index: cc)
+    assert fa4._split_hint(torch.device("cuda", 0)) is passed
+    assert fa4.FlashAttentionV4.NUM_SPLITS_MAJORS == frozenset({10})
+
+
+def test_the_declarations_say_who_honours_num_splits():
+    from transformer_engine.pytorch.attention.dot_product_attention.backends import BACKENDS, backend_label
+
+    rows = {backend_label(b): b.matrix_row()["num_splits"] for b in BACKENDS}
+    assert rows == {"FlashAttention v4": "sm10x", "FlashAttention v3": "sm9x", "FusedAttention": "ignored",
+                    "FlashAttention v2": "ignored", "UnfusedDotProductAttention": "ignored"}

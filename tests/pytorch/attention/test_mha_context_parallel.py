@@ -143,11 +143,11 @@ def test_rope_positions_are_global_under_cp(fmt):
 
 
 def test_rope_too_short_for_the_global_sequence():
-    from transformer_engine.pytorch.attention.multi_head_attention import _cp_dense_freqs
+    from transformer_engine.pytorch.attention.rotary import cp_dense_freqs
 
     with pytest.raises(ValueError, match=r"rotary_pos_emb must hold a row for every position: the global sequence has 8 "
                                          r"positions \(4 local rows x cp size 2\) but rotary_pos_emb has 6 rows"):
-        _cp_dense_freqs(_freqs(6), 4, (2, 1))
+        cp_dense_freqs(_freqs(6), 4, (2, 1))
 
 
 def test_cp_rank_of_a2a_p2p_groups():

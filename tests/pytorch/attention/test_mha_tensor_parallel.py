@@ -21,12 +21,14 @@ def test_transformer_layer_positional_call():
     out_init = lambda w: torch.nn.init.constant_(w, -0.02)  # noqa: E731
     mha = MultiheadAttention(HID, H, D, 0.0, 1e-3, init, out_init, layer_number=3, input_layernorm=True,
                              params_dtype=torch.float64, device="cpu")
-    assert mha.layernorm.eps == 1e-3 and mha.layer_number == 3
-    assert (mha.query.weight == 0.01).all() and (mha.value.weight == 0.01).all() and (mha.proj.weight == -0.02).all()
-    assert (mha.query.bias == 0).all() and (mha.proj.bias == 0).all()
+    qkv = mha.layernorm_qkv
+    assert qkv.eps == 1e-3 and mha.layer_number == 3
+    assert (qkv.query_weight == 0.01).all() and (qkv.value_weight == 0.01).all() and (mha.proj.weight == -0.02).all()
+    assert (qkv.query_bias == 0).all() and (mha.proj.bias == 0).all() and (qkv.layer_norm_weight == 1).all()
     x = torch.randn(S, B, HID, dtype=torch.float64)
     # All keys get the same score, so each query averages the value rows it may see (causal).
-    v = mha.value(mha.layernorm(x))
+    normed = torch.nn.functional.layer_norm(x, (HID,), eps=1e-3)
+    v = normed @ qkv.value_weight.T
     avg = v.cumsum(0) / torch.arange(1, S + 1, dtype=torch.float64).view(S, 1, 1)
     torch.testing.assert_close(mha(x), mha.proj(avg))
 
@@ -35,10 +37,12 @@ def test_return_bias_and_layernorm_output_in_te_order():
     mha = MultiheadAttention(HID, H, attention_dropout=0.0, input_layernorm=True, return_bias=True,
                              return_layernorm_output=True, params_dtype=torch.float64, device="cpu")
     torch.nn.init.normal_(mha.proj.bias)
+    torch.nn.init.normal_(mha.layernorm_qkv.layer_norm_bias)
     x = torch.randn(S, B, HID, dtype=torch.float64)
     out, bias, ln = mha(x)
     assert bias is mha.proj.bias
-    torch.testing.assert_close(ln, mha.layernorm(x))
+    qkv = mha.layernorm_qkv
+    torch.testing.assert_close(ln, torch.nn.functional.layer_norm(x, (HID,), qkv.layer_norm_weight, qkv.layer_norm_bias))
     mha.return_bias, mha.return_layernorm_output = False, False
     torch.testing.assert_close(mha(x), out + bias)
 
@@ -69,21 +73,30 @@ def _rows(w: torch.Tensor, parts, rank: int, world: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-@torch.no_grad()
-def _load_shard(full: MultiheadAttention, part: MultiheadAttention, hg: int, interleaved: bool, rank: int, world: int):
-    """Column-parallel rows by head/group, row-parallel proj columns by head, the rest whole."""
+def _shard_state_dict(full: dict, hg: int, interleaved: bool, rank: int, world: int) -> dict:
+    """A rank's TE-layout state dict from the tp=1 one: column-parallel rows by head/group
+    (fused non-interleaved QKV: each of its q/k/v blocks), ``proj.weight``'s columns by head,
+    the norm, ``proj.bias`` and the extra states whole."""
     q_rows, kv_rows = H * D, hg * D
-    layouts = {"query": [q_rows], "key": [kv_rows], "value": [kv_rows],
-               "qkv": [q_rows + 2 * kv_rows] if interleaved else [q_rows, kv_rows, kv_rows],
-               "key_value": [2 * kv_rows] if interleaved else [kv_rows, kv_rows]}
-    for name, parts in layouts.items():
-        if hasattr(full, name):
-            getattr(part, name).weight.copy_(_rows(getattr(full, name).weight, parts, rank, world))
-            getattr(part, name).bias.copy_(_rows(getattr(full, name).bias, parts, rank, world))
-    part.proj.weight.copy_(_rows(full.proj.weight.T, [q_rows], rank, world).T)
-    part.proj.bias.copy_(full.proj.bias)
-    if full.layernorm is not None:
-        part.layernorm.load_state_dict(full.layernorm.state_dict())
+    qkv_blocks = [q_rows + 2 * kv_rows] if interleaved else [q_rows, kv_rows, kv_rows]
+    fused_blocks = {"qkv.": qkv_blocks, "layernorm_qkv.": qkv_blocks,
+                    "key_value.": [2 * kv_rows] if interleaved else [kv_rows, kv_rows]}
+    shard = {}
+    for key, value in full.items():
+        prefix, name = key.rsplit(".", 1)[0] + ".", key.rsplit(".", 1)[1]
+        if prefix == "proj." and name == "weight":
+            value = _rows(value.T, [q_rows], rank, world).T
+        elif prefix != "proj." and name in ("weight", "bias"):
+            value = _rows(value, fused_blocks.get(prefix, [value.shape[0]]), rank, world)
+        elif name.endswith(("_weight", "_bias")) and not name.startswith("layer_norm"):  # split query/key/value
+            value = _rows(value, [value.shape[0]], rank, world)
+        shard[key] = value
+    return shard
+
+
+def _joined_grad(projection) -> torch.Tensor:
+    """The gradient of a projection's whole weight (its blocks' gradients, top to bottom)."""
+    return torch.cat([getattr(projection, name).grad for name in projection.weight_names])
 
 
 CASES = [  # (attention_type, fuse_qkv_params, qkv_weight_interleaved, hg, input_layernorm)
@@ -91,6 +104,8 @@ CASES = [  # (attention_type, fuse_qkv_params, qkv_weight_interleaved, hg, input
     ("self", True, True, 2, True),
     ("self", True, False, 4, False),
     ("cross", True, False, 2, False),
+    ("self", True, False, 2, True),
+    ("cross", False, True, 2, True),
 ]
 
 
@@ -105,7 +120,8 @@ def _tp_case(rank, world, case, sequence_parallel):
         torch.nn.init.normal_(p, std=0.3)
     part = MultiheadAttention(HID, H, set_parallel_mode=True, tp_group=dist.group.WORLD,
                               sequence_parallel=sequence_parallel, **kwargs)
-    _load_shard(full, part, hg, interleaved, rank, world)
+    # Each rank loads its TE-layout shard strictly (every key present, every shape right).
+    part.load_state_dict(_shard_state_dict(full.state_dict(), hg, interleaved and fuse, rank, world), strict=True)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(S, B, HID, dtype=torch.float64, generator=g)
     enc = torch.randn(S + 2, B, HID, dtype=torch.float64, generator=g) if attention_type == "cross" else None
@@ -120,9 +136,11 @@ def _tp_case(rank, world, case, sequence_parallel):
     torch.testing.assert_close(out, out_full[mine])
     out.backward(grad[mine])
     torch.testing.assert_close(x_part.grad, x_full.grad[mine])
-    q_name = "qkv" if hasattr(full, "qkv") else "query"
-    parts = [H * D + 2 * hg * D] if q_name == "qkv" and interleaved else ([H * D, hg * D, hg * D] if q_name == "qkv" else [H * D])
-    torch.testing.assert_close(getattr(part, q_name).weight.grad, _rows(getattr(full, q_name).weight.grad, parts, rank, world))
+    q_name = {("self", True): "layernorm_qkv", ("self", False): "qkv", ("cross", True): "layernorm_query",
+              ("cross", False): "query_layer"}[attention_type, ln]
+    got, want = _joined_grad(getattr(part, q_name)), _joined_grad(getattr(full, q_name))
+    parts = [H * D, hg * D, hg * D] if attention_type == "self" and not (fuse and interleaved) else [want.shape[0]]
+    torch.testing.assert_close(got, _rows(want, parts, rank, world))
     torch.testing.assert_close(part.proj.weight.grad, _rows(full.proj.weight.grad.T, [H * D], rank, world).T)
     bias_grad = part.proj.bias.grad.clone()
     if sequence_parallel:  # each rank saw its own tokens; the framework sums these grads (as for TE)

@@ -8,47 +8,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from transformer_engine.pytorch import MultiheadAttention
 
-HID, H, D = 32, 4, 8
-
-
-def _plain(mha, x, enc, hg, causal, lengths=None):
-    """Attention written from the module's weights with F.scaled_dot_product_attention."""
-    x_n = mha.layernorm(x) if mha.layernorm is not None else x
-    lead = x.shape[:-1]
-    if hasattr(mha, "qkv"):
-        mixed = mha.qkv(x_n)
-        if mha.interleaved:
-            grouped = mixed.view(*lead, hg, H // hg + 2, D)
-            q = grouped[..., : H // hg, :].reshape(*lead, H, D)
-            k, v = grouped[..., H // hg, :], grouped[..., H // hg + 1, :]
-        else:
-            q, k, v = mixed.split([H * D, hg * D, hg * D], dim=-1)
-            q, k, v = q.view(*lead, H, D), k.view(*lead, hg, D), v.view(*lead, hg, D)
-    else:
-        src = enc if enc is not None else x_n
-        q = mha.query(x_n).view(*lead, H, D)
-        if hasattr(mha, "key_value"):
-            kv = mha.key_value(src).view(*src.shape[:-1], *((hg, 2, D) if mha.interleaved else (2, hg, D)))
-            k, v = kv.unbind(-2 if mha.interleaved else -3)
-        else:
-            k, v = mha.key(src).view(*src.shape[:-1], hg, D), mha.value(src).view(*src.shape[:-1], hg, D)
-    k, v = (t.repeat_interleave(H // hg, dim=-2) for t in (k, v))
-    if lengths is None:  # sbhd -> [b, h, s, d]
-        out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=causal)
-        ctx = out.permute(2, 0, 1, 3).reshape(*lead, H * D)
-    else:
-        pieces, start = [], 0
-        for n in lengths:
-            qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
-            pieces.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal).transpose(0, 1).reshape(n, H * D))
-            start += n
-        ctx = torch.cat(pieces)
-    return mha.proj(ctx)
-
+from .te_layout import HID, H, D, Variant, te_forward
 
 CASES = [
     # (attention_type, fuse, interleaved, hg, layernorm, norm)
@@ -65,16 +28,14 @@ CASES = [
 
 @pytest.mark.parametrize("attention_type,fuse,interleaved,hg,ln,norm", CASES)
 def test_sbhd_matches_plain_pytorch(attention_type, fuse, interleaved, hg, ln, norm):
+    """Against attention written from the module's state dict alone, read in TE's layout."""
     torch.manual_seed(0)
-    mask = "causal" if attention_type == "self" else "no_mask"
-    mha = MultiheadAttention(HID, H, num_gqa_groups=hg, attention_dropout=0.0, attn_mask_type=mask, attention_type=attention_type,
-                             fuse_qkv_params=fuse, qkv_weight_interleaved=interleaved, input_layernorm=ln, normalization=norm,
-                             params_dtype=torch.float64, device="cpu")
+    v = Variant(attention_type, ln, norm, True, hg, fuse, interleaved)
+    mha = MultiheadAttention(HID, H, **v.kwargs())
     x = torch.randn(6, 2, HID, dtype=torch.float64)
     enc = torch.randn(9, 2, HID, dtype=torch.float64) if attention_type == "cross" else None
     out = mha(x, encoder_output=enc)
-    ref = _plain(mha, x, enc, hg, causal=attention_type == "self")
-    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(out, te_forward(mha.state_dict(), v, x, enc))
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
@@ -86,24 +47,31 @@ def test_thd_matches_plain_pytorch(interleaved):
     x = torch.randn(sum(lengths), HID, dtype=torch.float64, requires_grad=True)
     cu = torch.tensor([0, 3, 8, 10], dtype=torch.int32)
     out = mha(x, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
-    ref = _plain(mha, x, None, H, causal=True, lengths=lengths)
+    ref = te_forward(mha.state_dict(), Variant(fuse=True, interleaved=interleaved), x.detach(), fmt="thd", lengths=lengths)
     torch.testing.assert_close(out, ref)
     out.sum().backward()
     assert torch.isfinite(mha.qkv.weight.grad).all()
 
 
-def test_fused_projection_goes_through_as_qkv_layer(monkeypatch):
-    mha = MultiheadAttention(HID, H, attention_dropout=0.0, fuse_qkv_params=True, device="cpu")
+@pytest.mark.parametrize("attention_type,fuse,hg,packed,dim", [
+    ("self", True, H, "qkv_layer", -2), ("self", False, H, "qkv_layer", -3), ("self", False, 2, "kv_layer", -3),
+    ("cross", True, 2, "kv_layer", -2), ("cross", False, H, "kv_layer", -3)])
+def test_projection_goes_through_packed(monkeypatch, attention_type, fuse, hg, packed, dim):
+    """The QKV projection output reaches DotProductAttention as a declared packed buffer, fused
+    parameters or TE's separate ones (row blocks of one weight: still one GEMM)."""
+    mha = MultiheadAttention(HID, H, attention_dropout=0.0, fuse_qkv_params=fuse, num_gqa_groups=hg, device="cpu",
+                             attention_type=attention_type, attn_mask_type="causal" if attention_type == "self" else "no_mask")
     seen = {}
     real = mha.core_attention.forward
 
     def spy(*args, **kwargs):
-        seen.update({k: v for k, v in kwargs.items() if k in ("qkv_layer", "kv_layer", "query_layer", "qkv_interleave_dim")})
+        seen.update({k: v for k, v in kwargs.items() if k in ("qkv_layer", "kv_layer", "query_layer", "key_layer", "qkv_interleave_dim")})
         return real(*args, **kwargs)
 
     monkeypatch.setattr(mha.core_attention, "forward", spy)
-    mha(torch.randn(4, 2, HID))
-    assert "qkv_layer" in seen and seen["qkv_interleave_dim"] == -2 and "query_layer" not in seen
+    mha(torch.randn(4, 2, HID), encoder_output=torch.randn(5, 2, HID) if attention_type == "cross" else None)
+    assert packed in seen and seen["qkv_interleave_dim"] == dim and "key_layer" not in seen
+    assert ("query_layer" in seen) == (packed == "kv_layer")
 
 
 def _rotate_pairs(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
@@ -157,7 +125,7 @@ def test_thd_rotary_prepares_the_packed_metadata_once(monkeypatch):
     DotProductAttention: one prepare_sides per call, on the full path and on a fast-path repeat
     (which then checks nothing again); the output is each sequence run alone through a bshd twin
     of the module, and the gap rows' NaN never reaches a valid row."""
-    from transformer_engine.pytorch.attention import multi_head_attention as mha_module
+    from transformer_engine.pytorch.attention import rotary
     from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa_module
     from transformer_engine.pytorch.attention.dot_product_attention.prepare import fast_path
     from transformer_engine.pytorch.attention.dot_product_attention.prepare import call as prepare
@@ -171,7 +139,7 @@ def test_thd_rotary_prepares_the_packed_metadata_once(monkeypatch):
             return fn(*args, **kwargs)
         return spy
 
-    for module in (mha_module, prepare):
+    for module in (rotary, prepare):
         monkeypatch.setattr(module, "prepare_sides", counted("prepare_sides", thd.prepare_sides))
     monkeypatch.setattr(fast_path, "checked_or_safe", counted("checked_or_safe", thd.checked_or_safe))
     monkeypatch.setattr(dpa_module, "prepare", counted("full path", prepare.prepare))

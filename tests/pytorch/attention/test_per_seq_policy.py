@@ -124,6 +124,68 @@ def test_dense_format_rejected():
         dpa(q, q, q, thd_sequence_is_causal=torch.ones(2, dtype=torch.bool))
 
 
+# bottom_right_diagonal with per-sequence policies: a window that comes from a policy (a
+# ("padding", window) key, or the call's window handed to thd_sequence_is_causal's 'padding'
+# policy) is aligned like the call's own window: bottom-right by default; False (top-left) is
+# refused by name, as for the call's own window, never run bottom-right silently. Cross
+# attention with sq != skv (1 query / 2 keys among them), where the two alignments differ.
+CROSS_Q, CROSS_KV = [1, 3, 2, 4], [2, 5, 2, 6]
+WINDOWED = {
+    "window-key": (dict(attn_mask_type_per_seq={("padding", (0, 0)): _ids(0, 2), "padding_causal": _ids(1),
+                                                 "padding_causal_bottom_right": _ids(3)}),
+                   ["padding", "padding_causal", "padding", "padding_causal_bottom_right"], [(0, 0), None, (0, 0), None]),
+    "call-window-to-is-causal": (dict(thd_sequence_is_causal=torch.tensor([False, True, False, True]), window_size=(1, 0)),
+                                 ["padding", "padding_causal", "padding", "padding_causal"], [(1, 0)] * 4),
+    "uniform-window-key": (dict(attn_mask_type_per_seq={("padding", (0, 0)): _ids(0, 1, 2, 3)}), ["padding"] * 4, [(0, 0)] * 4),
+}
+
+
+def _cross_call(kwargs, flag, gaps=False):
+    p = make_thd(CROSS_Q, CROSS_KV, gaps_q=[1, 0, 2, 1] if gaps else None, gaps_kv=[0, 2, 1, 1] if gaps else None, h=H, d=D)
+    dpa = DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding_causal")
+    out = dpa(p.q, p.k, p.v, **p.kwargs(gaps, max(CROSS_Q), max(CROSS_KV)), bottom_right_diagonal=flag, **kwargs)
+    return p, out.view(-1, H, D)
+
+
+@pytest.mark.parametrize("gaps", [False, True])
+@pytest.mark.parametrize("flag", [None, True])
+@pytest.mark.parametrize("name", list(WINDOWED))
+def test_policy_windows_align_bottom_right_by_default(name, flag, gaps):
+    kwargs, types, windows = WINDOWED[name]
+    p, out = _cross_call(kwargs, flag, gaps)
+    refs, ref = _expected(p, types, windows, gaps, 1 / math.sqrt(D))
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(ref)
+    for got, want in zip(grads_of(out, [p.q, p.k, p.v], g), grads_of(ref, refs, g)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    if name != "call-window-to-is-causal":  # the 1-query/2-key sequence with window (0, 0) sees its last key only
+        key = p.off_kv[0] + 1 if gaps else p.cu_kv[0] + 1
+        torch.testing.assert_close(out[int(p.off_q[0] if gaps else 0)], p.v[int(key)], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", list(WINDOWED))
+def test_top_left_policy_windows_are_refused_by_name(name):
+    kwargs, _, _ = WINDOWED[name]
+    arg = "thd_sequence_is_causal" if "thd_sequence_is_causal" in kwargs else "attn_mask_type_per_seq"
+    window = (1, 0) if "window_size" in kwargs else (0, 0)
+    with pytest.raises(NotImplementedError) as err:
+        _cross_call(kwargs, False)
+    assert (f"bottom_right_diagonal=False with the 'padding' policy of {arg} (window {window}): windows and ALiBi on "
+            f"non-causal masks are aligned bottom-right here; use None or True (a top-left band that ends at the "
+            f"diagonal is a causal mask: 'padding_causal' with window (left, 0))") == str(err.value)
+
+
+def test_top_left_flag_leaves_causal_and_unwindowed_policies_to_their_mask_type():
+    """As for the call's own mask: the mask type decides causal alignment, and a policy without
+    a window has nothing to align, so False runs (and matches the reference)."""
+    kwargs = dict(attn_mask_type_per_seq={"padding": _ids(0), "padding_causal": _ids(1, 2),
+                                          ("padding_causal_bottom_right", (1, 0)): _ids(3)})
+    p, out = _cross_call(kwargs, False)
+    types = ["padding", "padding_causal", "padding_causal", "padding_causal_bottom_right"]
+    _, ref = _expected(p, types, [None, None, None, (1, 0)], False, 1 / math.sqrt(D))
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
 def test_debug_switch_catches_duplicate_ids(monkeypatch):
     monkeypatch.setenv("NVTE_ATTN_VALIDATE", "1")
     p = make_thd(LENGTHS, h=H, d=D)

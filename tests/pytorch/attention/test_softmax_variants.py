@@ -336,12 +336,15 @@ def test_cudnn_sinks_need_more_than_one_query_row():
     assert "softmax_type='off-by-one' with max_seqlen_q=1" in text and "decode-only" in text
 
 
-def test_selection_return_max_logit_goes_to_unfused_with_reasons():
+def test_selection_return_max_logit_goes_to_cudnn_with_reasons():
     sel = get_attention_backend(replace(THD, return_max_logit=True), ALL_LIBS)
-    assert sel.label == "UnfusedDotProductAttention"
+    assert sel.label == "FusedAttention"
     fa4 = "; ".join(map(str, sel.reasons_for("FlashAttention v4")))
     assert fa4.startswith("return_max_logit=True (supported: False; FlashAttention returns only the log-sum-exp")
-    assert "score_max output is not wired" in "; ".join(map(str, sel.reasons_for("FusedAttention")))
+    # With a sink, cuDNN's score max takes the sink in: the unfused backend runs it.
+    sel = get_attention_backend(replace(THD, return_max_logit=True, softmax_type="learnable"), replace(ALL_LIBS, cudnn=92600))
+    assert sel.label == "UnfusedDotProductAttention"
+    assert "cuDNN's score max includes the sink logit" in "; ".join(map(str, sel.reasons_for("FusedAttention")))
 
 
 def test_fa4_sm100_hd256_sink_needs_no_gradient():
@@ -372,7 +375,8 @@ class _SinkFA4:
     calls = []
 
     @staticmethod
-    def fa4_fwd(q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, max_q, max_kv, scale, causal, left, right, learnable_sink=None):
+    def fa4_fwd(q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, max_q, max_kv, scale, causal, left, right, learnable_sink=None,
+                num_splits=None):
         _SinkFA4.calls.append(("fwd", learnable_sink))
         for oq, ok_, nq, nk in _fake_seqs(cu_q, cu_kv, used_q, used_kv):
             if nq:

@@ -52,7 +52,7 @@ def test_old_module_paths_are_gone(module):
 def test_utils_holds_only_te_names_and_backends_no_private_ones():
     utils = importlib.import_module(f"{DPA}.utils")
     public = {n for n in vars(utils) if not n.startswith("__")}
-    assert public == {"AttentionParams", "get_attention_backend", "get_qkv_layout"}
+    assert public == {"AttentionLogging", "AttentionParams", "get_attention_backend", "get_qkv_layout"}
     backends = importlib.import_module(f"{DPA}.backends")
     private = {n for n, v in vars(backends).items() if n.startswith("_") and not n.startswith("__") and not isinstance(v, type(utils))}
     assert private == set()
@@ -64,3 +64,109 @@ def test_attention_inputs_is_one_frozen_record_without_extras():
     assert AttentionInputs.__dataclass_params__.frozen
     names = {f.name for f in dataclasses.fields(AttentionInputs)}
     assert "extras" not in names and "bias_shape" in names and "max_logit" not in names
+
+
+# ---------------------------------------------------------------------------------- the import graph
+
+
+def _module_files():
+    """{dotted module name: path} of every module of the package."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules) -> set:
+    """The package's modules ``name`` imports anywhere in its file (function-level imports
+    too: a loop hidden in a function body is still a loop). ``from P import x`` names P.x when
+    that is a module, else P itself."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+            if target in modules:
+                subs = {f"{target}.{a.name}" for a in node.names}
+                out.update(subs & modules.keys())
+                if not subs <= modules.keys():
+                    out.add(target)
+    return out
+
+
+def _import_graph():
+    modules = _module_files()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _cycle(graph):
+    """One import cycle of ``graph`` as a list of modules, or None."""
+    state, stack = {}, []
+
+    def visit(u):
+        state[u] = "open"
+        stack.append(u)
+        for v in sorted(graph[u]):
+            if state.get(v) == "open":
+                return stack[stack.index(v):] + [v]
+            if v not in state:
+                found = visit(v)
+                if found:
+                    return found
+        stack.pop()
+        state[u] = "done"
+        return None
+
+    for u in sorted(graph):
+        if u not in state:
+            found = visit(u)
+            if found:
+                return found
+    return None
+
+
+def test_every_module_imports():
+    for name in _module_files():
+        importlib.import_module(name)
+
+
+def test_backends_import_nothing_from_cp():
+    """Arrows run from cp/ to backends/, never back: a backend knows nothing of CP."""
+    cp = f"{DPA}.cp"
+    hits = [(name, sorted(t for t in targets if t == cp or t.startswith(cp + "."))) for name, targets in _import_graph().items()
+            if name.startswith(f"{DPA}.backends")]
+    assert [h for h in hits if h[1]] == []
+
+
+def test_no_import_cycle():
+    """No loop anywhere in the package; in particular none between cp/ and the module (the a2a
+    path once built a nested DotProductAttention)."""
+    graph = _import_graph()
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+    reach, todo = set(), [n for n in graph if n.startswith(f"{DPA}.cp")]
+    while todo:
+        for t in graph[todo.pop()] - reach:
+            reach.add(t)
+            todo.append(t)
+    assert f"{DPA}.dot_product_attention" not in reach
+
+
+def test_the_cycle_finder_finds_a_loop():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_backends_running_span_schedules_declare_their_kernel_interface():
+    """cp/ asks the selected backend for KERNEL (no label map): every backend declaring a ring
+    or all-gather comm type names a class with the kernel interface; the others name None."""
+    from transformer_engine.pytorch.attention.dot_product_attention.backends import BACKENDS
+
+    for cls in BACKENDS:
+        if cls.CP_COMM_TYPES - {"a2a"}:
+            assert all(callable(getattr(cls.KERNEL, m, None)) for m in ("forward", "backward", "stats_to_rows", "stats_from_rows")), cls
+        else:
+            assert cls.KERNEL is None, cls

@@ -163,3 +163,18 @@ def test_inference_params_not_implemented():
     q, k, v = dense()
     with pytest.raises(NotImplementedError, match="inference_params"):
         DotProductAttention(H, D, qkv_format="bshd")(q, k, v, inference_params=object())
+
+
+def test_policy_diagonals_are_checked_like_the_calls_own_mask():
+    from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType as M, MaskSpec
+    from transformer_engine.pytorch.attention.dot_product_attention.prepare.validation import check_policy_diagonals
+
+    specs = (MaskSpec(M.PADDING_CAUSAL, (3, 0)), MaskSpec(M.PADDING, (-1, -1)), MaskSpec(M.PADDING, (2, 2)))
+    for flag in (None, True):
+        check_policy_diagonals(flag, specs, "attn_mask_type_per_seq")
+    check_policy_diagonals(False, specs[:2], "attn_mask_type_per_seq")  # causal: the mask type decides; no window: nothing to align
+    with pytest.raises(NotImplementedError, match=r"bottom_right_diagonal=False with the 'padding' policy of "
+                                                  r"attn_mask_type_per_seq \(window \(2, 2\)\)"):
+        check_policy_diagonals(False, specs, "attn_mask_type_per_seq")
+    with pytest.raises(TypeError, match="bottom_right_diagonal must be None, True or False; got 0"):
+        check_policy_diagonals(0, specs, "thd_sequence_is_causal")

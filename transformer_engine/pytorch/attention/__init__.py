@@ -1,6 +1,7 @@
 """Attention modules."""
 
 from .dot_product_attention import DotProductAttention, backend_scope
+from .inference import InferenceParams
 from .multi_head_attention import MultiheadAttention
 
-__all__ = ["DotProductAttention", "MultiheadAttention", "backend_scope"]
+__all__ = ["DotProductAttention", "InferenceParams", "MultiheadAttention", "backend_scope"]

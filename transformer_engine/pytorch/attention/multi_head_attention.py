@@ -1,9 +1,41 @@
-"""MultiheadAttention: a TE-compatible subset built on torch.nn.Linear/LayerNorm/RMSNorm.
+"""MultiheadAttention: TransformerEngine's module, with TE's checkpoint layout, in plain PyTorch.
 
-Its fused QKV projection goes to DotProductAttention as a declared packed buffer
-(``qkv_layer``, or ``kv_layer`` plus a query view), never sliced and re-detected. The sliced
-path is used only where a per-tensor op needs it (rotary embeddings) or where the packing is
-not a plain view (interleaved GQA, whose query heads sit between key and value per group).
+**State dict.** The submodules and parameters have TE's names and shapes, so a TE state dict
+loads here with ``strict=True`` and one saved here loads into TE. Per variant (every TE module
+also has its ``_extra_state``, see :mod:`.dot_product_attention.extra_state`):
+
+===========================  ==============================================================
+self, ``input_layernorm``    ``layernorm_qkv.{layer_norm_weight, layer_norm_bias, weight, bias}``
+self, no input layernorm     ``qkv.{weight, bias}``
+cross, ``input_layernorm``   ``layernorm_query.{layer_norm_weight, layer_norm_bias, weight, bias}``
+cross, no input layernorm    ``query_layer.{weight, bias}``
+cross                        ``key_value.{weight, bias}``
+always                       ``core_attention`` (``softmax_offset`` when learnable), ``proj.{weight, bias}``
+===========================  ==============================================================
+
+RMSNorm has no ``layer_norm_bias``; ``bias=False`` leaves out every ``bias``. With
+``fuse_qkv_params=False`` (TE's default) TE splits the QKV parameters by role:
+``query_weight, key_weight, value_weight, query_bias, key_bias, value_bias``
+(``layernorm_query``: ``query_*``; ``key_value``: ``key_*, value_*``; ``query_layer`` keeps
+``weight``/``bias``). Here they are row blocks of one buffer, still one GEMM.
+
+**Row order of the QKV weight** [(h + 2g) d, hidden] (h heads, g GQA groups, d head size):
+
+- ``qkv_weight_interleaved=True`` with ``fuse_qkv_params=True``: group by group, the group's h/g
+  query heads, then its key, then its value: the rows viewed as [g, h/g + 2, d].
+- otherwise (always with ``fuse_qkv_params=False``: TE turns interleaving off there): all
+  queries, then all keys, then all values: [h d | g d | g d].
+
+``key_value`` [2 g d, hidden] is [g, 2, d] (key, value per group) when interleaved (fused
+parameters only, as above), else [2, g, d].
+Query head j uses group j // (h/g). Under tensor parallelism each rank holds these rows for its
+h/tp heads and g/tp groups, laid out as in a tp=1 module of those counts (TE's per-rank
+checkpoint), ``proj.weight``'s columns of its heads, and the whole norm and ``proj.bias``.
+
+**Packed hand-off.** The QKV projection output goes to DotProductAttention as a declared packed
+buffer (``qkv_layer``, or ``kv_layer`` plus a query view), never sliced and re-detected. The
+sliced path is used only where a per-tensor op needs it (rotary embeddings) or where the packing
+is not a plain view (interleaved GQA, whose query heads sit between key and value per group).
 """
 
 from __future__ import annotations
@@ -12,30 +44,36 @@ import contextlib
 from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 
 from .dot_product_attention import DotProductAttention
+from .projections import Projection
 from .tensor_parallel import enter_column_parallel, leave_row_parallel, per_partition, tp_world_size
-from .dot_product_attention.cp.partition import dense_positions, positions_of_local_rows
-from .dot_product_attention.prepare.packed_seqs import PackedSeqs, prepare_sides, value_checks_on
+from .rotary import rotate_packed
+
+_INPUT_LAYOUTS = {"sbhd": (3, "[s, b, hidden={}]"), "bshd": (3, "[b, s, hidden={}]"), "thd": (2, "[t, hidden={}]")}
 
 
 class MultiheadAttention(torch.nn.Module):
     """Self- or cross-attention with input/output projections, in TE's argument order.
 
-    ``qkv_weight_interleaved=True`` (TE's default) lays the fused projection out per key/value
-    group as [g query heads, key, value], i.e. [.., HG, G+2, D]; False concatenates
-    [all queries | all keys | all values]. ``device=None`` means CUDA when available, else CPU.
+    State dict layout and QKV row order: see the module docstring. ``device=None`` means CUDA
+    when available, else CPU.
 
     Tensor parallelism (``set_parallel_mode=True``, tp from ``tp_group``'s world size, else
     ``tp_size``): the QKV projection is column-parallel (each rank holds the rows of its
-    ``h/tp`` heads and ``g/tp`` groups, in the same layout as a tp=1 module of those counts),
-    the output projection row-parallel (each rank holds the columns of its heads; the partial
-    products are all-reduced over ``tp_group``, then the bias is added once). With
-    ``sequence_parallel=True`` the input arrives split along dim 0 and is all-gathered before
-    the QKV projection, and the output is reduce-scattered along dim 0, as TE's linear layers do.
-    Weights are drawn with ``init_method`` / ``output_layer_init_method`` (default: normal,
-    std 0.023, as TE), inside the RNG tracker's ``fork()`` when one is given; biases start at 0.
+    ``h/tp`` heads and ``g/tp`` groups), the output projection row-parallel (each rank holds the
+    columns of its heads; the partial products are all-reduced over ``tp_group``, then the bias
+    is added once). With ``sequence_parallel=True`` the input arrives split along dim 0 and is
+    all-gathered (after the input norm) before the QKV projection, and the output is
+    reduce-scattered along dim 0, as TE's linear layers do. Weights are drawn with
+    ``init_method`` / ``output_layer_init_method`` (default: normal, std 0.023, as TE), one draw
+    per parameter, inside the RNG tracker's ``fork()`` when one is given; biases start at 0.
+
+    TE's attributes are here with TE's meanings (``hidden_size_per_attention_head``,
+    ``num_attention_heads_per_partition``, ``num_gqa_groups_per_partition``, ``hidden_size_q``,
+    ``hidden_size_kv``, ``qkv_weight_interleaved``, ``params_dtype``, ``cp_size``, ``cp_rank``,
+    ``layer_number`` (1 when None) ...). megatron-core 0.16 reads none of them: it never builds
+    TE's MultiheadAttention.
     """
 
     def __init__(
@@ -90,9 +128,17 @@ class MultiheadAttention(torch.nn.Module):
                             ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad, qk_norm_type=qk_norm_type)
         _check_args(num_attention_heads, normalization, attention_type, layer_number, return_layernorm_output, input_layernorm)
         device = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-        factory = dict(device=device, dtype=params_dtype or torch.get_default_dtype())
-        self.name, self.layer_number, self.softmax_type = name, layer_number, softmax_type
-        self.tp_group, self.set_parallel_mode = tp_group, set_parallel_mode
+        self.hidden_size, self.qkv_format, self.attn_mask_type, self.window_size = hidden_size, qkv_format, attn_mask_type, window_size
+        self.layer_number = 1 if layer_number is None else layer_number  # as TE
+        self.input_layernorm, self.attention_type, self.name, self.softmax_type = input_layernorm, attention_type, name, softmax_type
+        self.get_rng_state_tracker, self.tp_group, self.set_parallel_mode = get_rng_state_tracker, tp_group, set_parallel_mode
+        self.return_bias, self.return_layernorm_output = return_bias, return_layernorm_output
+        self.params_dtype = torch.get_default_dtype() if params_dtype is None else params_dtype
+        self.fuse_qkv_params = fuse_qkv_params
+        # As TE: separate query/key/value parameters are never interleaved.
+        self.qkv_weight_interleaved = qkv_weight_interleaved and fuse_qkv_params
+        self.rotary_pos_interleaved, self.qk_norm_before_rope = rotary_pos_interleaved, qk_norm_before_rope
+        self.q_norm = self.k_norm = None  # qk_norm_type is refused above
         self.tp_size = tp_world_size(tp_size, tp_group)
         if self.tp_size > 1 and not set_parallel_mode:
             raise ValueError(f"a tensor-parallel size of {self.tp_size} (tp_size / tp_group) needs set_parallel_mode=True; "
@@ -100,55 +146,65 @@ class MultiheadAttention(torch.nn.Module):
         # As in TE: sequence parallelism only means something across more than one rank.
         self.sequence_parallel = self.tp_size > 1 and sequence_parallel
         self.num_attention_heads, self.num_gqa_groups = num_attention_heads, num_gqa_groups or num_attention_heads
-        self.h = per_partition("num_attention_heads", num_attention_heads, self.tp_size)  # per rank
-        self.hg = per_partition("num_gqa_groups", self.num_gqa_groups, self.tp_size)
-        self.d = kv_channels or hidden_size // num_attention_heads
-        self.attention_type, self.qkv_format, self.return_bias = attention_type, qkv_format, return_bias
-        self.return_layernorm_output = return_layernorm_output
-        self.fuse_qkv_params, self.interleaved = fuse_qkv_params, qkv_weight_interleaved
-        self.layernorm = None
-        if input_layernorm:
-            norm = torch.nn.LayerNorm if normalization == "LayerNorm" else torch.nn.RMSNorm
-            self.layernorm = norm(hidden_size, eps=layernorm_epsilon, **factory)
-        self._build_projections(hidden_size, bias, factory)
-        self._init_weights(init_method, output_layer_init_method, get_rng_state_tracker)
+        self.num_attention_heads_per_partition = per_partition("num_attention_heads", num_attention_heads, self.tp_size)
+        self.num_gqa_groups_per_partition = per_partition("num_gqa_groups", self.num_gqa_groups, self.tp_size)
+        self.hidden_size_per_attention_head = d = kv_channels or hidden_size // num_attention_heads
+        self.hidden_size_q, self.hidden_size_kv = d * num_attention_heads, d * self.num_gqa_groups
+        factory = dict(device=device, dtype=self.params_dtype)
+        self._build_input_projections(bias, normalization if input_layernorm else None, layernorm_epsilon, factory)
         self.core_attention = DotProductAttention(
-            num_attention_heads, self.d, num_gqa_groups=self.num_gqa_groups, attention_dropout=attention_dropout,
+            num_attention_heads, d, num_gqa_groups=self.num_gqa_groups, attention_dropout=attention_dropout,
             qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window_size,
             sequence_parallel=sequence_parallel, tp_size=self.tp_size, get_rng_state_tracker=get_rng_state_tracker,
-            tp_group=tp_group, layer_number=layer_number, attention_type=attention_type,
-            softmax_type=softmax_type,
+            tp_group=tp_group, layer_number=self.layer_number, attention_type=attention_type, softmax_type=softmax_type,
         )
-
-    def _build_projections(self, hidden_size: int, bias: bool, factory: dict) -> None:
-        """This rank's projections (the whole ones at tp=1)."""
-        q_out, kv_out = self.h * self.d, 2 * self.hg * self.d
-        if self.attention_type == "self" and self.fuse_qkv_params:
-            self.qkv = torch.nn.Linear(hidden_size, q_out + kv_out, bias=bias, **factory)
-        else:
-            self.query = torch.nn.Linear(hidden_size, q_out, bias=bias, **factory)
-            if self.attention_type == "cross" and self.fuse_qkv_params:
-                self.key_value = torch.nn.Linear(hidden_size, kv_out, bias=bias, **factory)
-            else:
-                self.key = torch.nn.Linear(hidden_size, self.hg * self.d, bias=bias, **factory)
-                self.value = torch.nn.Linear(hidden_size, self.hg * self.d, bias=bias, **factory)
         # Row-parallel: its bias is added once, after the partial products are summed.
-        self.proj = torch.nn.Linear(q_out, hidden_size, bias=bias, **factory)
+        self.proj = Projection(self.hidden_size_q // self.tp_size, hidden_size, bias, factory)
+        self.proj.mark_parallel("row" if set_parallel_mode else None, self.sequence_parallel)
+        self._init_weights(init_method, output_layer_init_method, get_rng_state_tracker)
+
+    def _build_input_projections(self, bias: bool, norm: Optional[str], eps: float, factory: dict) -> None:
+        """This rank's QKV side (the whole one at tp=1), with TE's module and parameter names."""
+        q_rows, kv_rows = self.hidden_size_q // self.tp_size, self.hidden_size_kv // self.tp_size
+        split = not self.fuse_qkv_params  # TE's parameters_split
+        if self.attention_type == "self":
+            self._input_projection = "layernorm_qkv" if norm else "qkv"
+            blocks = (("query", q_rows), ("key", kv_rows), ("value", kv_rows)) if split else None
+            projections = {self._input_projection: Projection(self.hidden_size, q_rows + 2 * kv_rows, bias, factory, blocks, norm, eps)}
+        else:
+            self._input_projection = "layernorm_query" if norm else "query_layer"
+            blocks = (("query", q_rows),) if split and norm else None
+            projections = {self._input_projection: Projection(self.hidden_size, q_rows, bias, factory, blocks, norm, eps),
+                           "key_value": Projection(self.hidden_size, 2 * kv_rows, bias, factory,
+                                                   (("key", kv_rows), ("value", kv_rows)) if split else None)}
+        for name, module in projections.items():
+            module.mark_parallel("column" if self.set_parallel_mode else None, self.sequence_parallel)
+            setattr(self, name, module)
+
+    def _input_projections(self):
+        names = (self._input_projection,) + (("key_value",) if self.attention_type == "cross" else ())
+        return [getattr(self, name) for name in names]
 
     @torch.no_grad()
     def _init_weights(self, init_method, output_layer_init_method, get_rng_state_tracker) -> None:
-        init_method = init_method or _default_init
-        output_layer_init_method = output_layer_init_method or _default_init
         # TE draws tensor-parallel shards on the tracker's model-parallel stream.
         fork = get_rng_state_tracker().fork if get_rng_state_tracker is not None else contextlib.nullcontext
         with fork():
-            for name in ("qkv", "query", "key_value", "key", "value", "proj"):
-                layer = getattr(self, name, None)
-                if layer is None:
-                    continue
-                (output_layer_init_method if name == "proj" else init_method)(layer.weight)
-                if layer.bias is not None:
-                    layer.bias.zero_()
+            for module in self._input_projections():
+                module.reset_parameters(init_method or _default_init)
+            self.proj.reset_parameters(output_layer_init_method or _default_init)
+
+    @property
+    def cp_size(self) -> int:
+        """The context-parallel size (TE's attribute; 1 without context parallelism)."""
+        cfg = self.core_attention.cp_config
+        return cfg.size if cfg is not None else 1
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank in the context-parallel group, the one the data is partitioned for (TE's attribute)."""
+        cfg = self.core_attention.cp_config
+        return cfg.rank if cfg is not None else 0
 
     def set_tensor_parallel_group(self, tp_group: Any) -> None:
         """Supply the tensor-parallel group after construction (built with ``tp_size``), as in TE."""
@@ -183,25 +239,33 @@ class MultiheadAttention(torch.nn.Module):
         **per_seq_policy,
     ):
         """hidden_states: [s, b, hidden] / [b, s, hidden] / [t, hidden] by ``qkv_format`` (this
-        rank's dim-0 shard of it under sequence parallelism).
+        rank's dim-0 shard of it under sequence parallelism); ``encoder_output`` likewise, for
+        cross attention.
 
         Returns the output, then the projection bias if ``return_bias``, then the layernorm
-        output if ``return_layernorm_output``, as TE does. Extra keywords
-        (``attn_mask_type_per_seq``, ``thd_sequence_is_causal``) go to DotProductAttention."""
-        if self.attention_type == "cross" and encoder_output is None:
-            raise ValueError("attention_type='cross' needs encoder_output; got None")
-        ln_out = self.layernorm(hidden_states) if self.layernorm is not None else hidden_states
+        output if ``return_layernorm_output``, as TE does. ``attn_mask_type`` / ``window_size``
+        default to the module's. Extra keywords (``attn_mask_type_per_seq``,
+        ``thd_sequence_is_causal``) go to DotProductAttention."""
+        first = getattr(self, self._input_projection)
+        self._check_input("hidden_states", hidden_states, first)
+        if self.attention_type == "cross":
+            if encoder_output is None:
+                raise ValueError("attention_type='cross' needs encoder_output; got None")
+            self._check_input("encoder_output", encoder_output, self.key_value)
+        ln_out = first.normalize(hidden_states)
         x, enc = ln_out, encoder_output
         if self.set_parallel_mode:
             x = enter_column_parallel(x, self.tp_group, self.sequence_parallel)
             if enc is not None:
                 enc = enter_column_parallel(enc, self.tp_group, self.sequence_parallel)
-        packed = self._project(x, enc)
+        packed = self._project(first, x, enc)
         if rotary_pos_emb is not None:
-            packed = self._apply_rope(packed, rotary_pos_emb, (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded),
-                                      (max_seqlen_q, max_seqlen_kv), pad_between_seqs)
+            cus = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
+            packed = rotate_packed(packed, rotary_pos_emb, self.qkv_format, (self.cp_size, self.cp_rank), cus,
+                                   (max_seqlen_q, max_seqlen_kv), pad_between_seqs)
         ctx = self.core_attention(
-            attention_mask=attention_mask, attn_mask_type=attn_mask_type, window_size=window_size,
+            attention_mask=attention_mask, attn_mask_type=self.attn_mask_type if attn_mask_type is None else attn_mask_type,
+            window_size=self.window_size if window_size is None else window_size,
             checkpoint_core_attention=checkpoint_core_attention, inference_params=inference_params,
             core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
             alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
@@ -209,7 +273,7 @@ class MultiheadAttention(torch.nn.Module):
             max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, fast_zero_fill=fast_zero_fill,
             pad_between_seqs=pad_between_seqs, **packed, **per_seq_policy,
         )
-        out = F.linear(ctx, self.proj.weight)
+        out = self.proj.project(ctx, with_bias=False)
         if self.set_parallel_mode:
             out = leave_row_parallel(out, self.tp_group, self.sequence_parallel)
         outputs = (out,) if self.return_bias or self.proj.bias is None else (out + self.proj.bias,)
@@ -224,13 +288,30 @@ class MultiheadAttention(torch.nn.Module):
         share of the sequence, see DotProductAttention."""
         self.core_attention.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
-    def _project(self, x: torch.Tensor, encoder_output: Optional[torch.Tensor]) -> dict:
+    def _check_input(self, name: str, t: Any, projection: Projection) -> None:
+        """What the projections need, named (host facts only: no sync); torch's own errors say
+        ``mat1 and mat2 ...``."""
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        ndim, layout = _INPUT_LAYOUTS[self.qkv_format]
+        if t.dim() != ndim or t.shape[-1] != projection.in_features:
+            raise ValueError(f"{name} must be {layout.format(projection.in_features)} (qkv_format={self.qkv_format!r}, "
+                             f"this module's hidden_size); got shape {tuple(t.shape)}")
+        weight = projection.weights()[0]
+        if t.device != weight.device:
+            raise ValueError(f"{name} is on {t.device} but this module's parameters are on {weight.device}; "
+                             "move the input or the module (.to())")
+        if t.dtype != weight.dtype and not torch.is_autocast_enabled(t.device.type):
+            raise TypeError(f"{name} has dtype {t.dtype} but this module's parameters are {weight.dtype}; pass "
+                            f"{weight.dtype} (or convert the module with .to(), or run under torch.autocast)")
+
+    def _project(self, first: Projection, x: torch.Tensor, encoder_output: Optional[torch.Tensor]) -> dict:
         """Keyword arguments for DotProductAttention: a declared packed buffer where possible."""
         lead = x.shape[:-1]
-        h, hg, d = self.h, self.hg, self.d
-        if self.attention_type == "self" and self.fuse_qkv_params:
-            mixed = self.qkv(x)
-            if not self.interleaved:
+        h, hg, d = self.num_attention_heads_per_partition, self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head
+        if self.attention_type == "self":
+            mixed = first.project(x)
+            if not self.qkv_weight_interleaved:
                 if h == hg:
                     return dict(qkv_layer=mixed.view(*lead, 3, h, d), qkv_interleave_dim=-3)
                 q = mixed[..., : h * d].view(*lead, h, d)
@@ -241,63 +322,12 @@ class MultiheadAttention(torch.nn.Module):
             # Interleaved GQA: the query heads of a group are not one strided view; copy them only.
             q = grouped[..., : h // hg, :].reshape(*lead, h, d)
             return dict(query_layer=q, kv_layer=grouped[..., h // hg :, :], qkv_interleave_dim=-2)
-        q = self.query(x).view(*lead, h, d)
-        source = encoder_output if self.attention_type == "cross" else x
-        kv_lead = source.shape[:-1]
-        if hasattr(self, "key_value"):
-            kv = self.key_value(source)
-            shape = (*kv_lead, hg, 2, d) if self.interleaved else (*kv_lead, 2, hg, d)
-            return dict(query_layer=q, kv_layer=kv.view(shape), qkv_interleave_dim=-2 if self.interleaved else -3)
-        return dict(query_layer=q, key_layer=self.key(source).view(*kv_lead, hg, d), value_layer=self.value(source).view(*kv_lead, hg, d))
-
-    def _apply_rope(self, packed: dict, rope, cus, max_seqlens, pad_between) -> dict:
-        """Rotary embeddings act on q and k separately, so this is the sliced path. THD: the
-        packed metadata built here for the positions is handed to DotProductAttention, which
-        would otherwise build it again from the same arguments. Under context parallelism each
-        local row is rotated by its GLOBAL position (the rank holds chunks r and 2cp-1-r of
-        every sequence), as TE does, and nothing is handed over: DotProductAttention prepares
-        the global metadata over every rank's rows."""
-        q, k, v = _split(packed)
-        q_freqs, k_freqs = rope if isinstance(rope, tuple) else (rope, rope)
-        cfg = self.core_attention.cp_config
-        cp = (cfg.size, cfg.rank) if cfg is not None and cfg.size > 1 else (1, 0)
-        out = {}
-        q_pos = k_pos = None
-        if self.qkv_format == "thd" and cp[0] > 1:
-            q_pos, k_pos = _thd_cp_positions(q, k, cus, pad_between, cp)
-        elif self.qkv_format == "thd":
-            # DotProductAttention's own preparation (checks and, on CUDA, bounds), done once.
-            sides = prepare_sides(cus, max_seqlens, pad_between, (q.shape[0], k.shape[0]), q.device)
-            q_pos, k_pos = _positions(sides[0]), _positions(sides[1])
-            out["_packed_seqs"] = sides
-        elif cp[0] > 1:
-            seq_dim = 0 if self.qkv_format == "sbhd" else 1
-            q_freqs = _cp_dense_freqs(q_freqs, q.shape[seq_dim], cp)
-            k_freqs = _cp_dense_freqs(k_freqs, k.shape[seq_dim], cp)
-        out.update(query_layer=apply_rotary_pos_emb(q, q_freqs, self.qkv_format, q_pos),
-                   key_layer=apply_rotary_pos_emb(k, k_freqs, self.qkv_format, k_pos), value_layer=v)
-        return out
-
-
-def _thd_cp_positions(q: torch.Tensor, k: torch.Tensor, cus, pad_between, cp: Tuple[int, int]):
-    """Under context parallelism: the global position within its sequence of every local q and
-    k row (0 on rows outside any sequence). The same checks (and, on CUDA, bounds) as
-    DotProductAttention's; a length can be no more than the global rows, which stands in for
-    the max_seqlen rotary does not need."""
-    size, rank = cp
-    totals = (q.shape[0] * size, k.shape[0] * size)  # the offsets index global rows
-    pq, pk = prepare_sides(cus, totals, pad_between, totals, q.device)
-    return tuple(positions_of_local_rows(p.offsets.long(), p.seqlens().long(), size, rank, t.shape[0])
-                 for p, t in ((pq, q), (pk, k)))
-
-
-def _cp_dense_freqs(freqs: torch.Tensor, local_len: int, cp: Tuple[int, int]) -> torch.Tensor:
-    """The rows of ``freqs`` for a rank's bshd/sbhd rows under context parallelism."""
-    size, rank = cp
-    if freqs.shape[0] < local_len * size:
-        raise ValueError(f"rotary_pos_emb must hold a row for every position: the global sequence has {local_len * size} "
-                         f"positions ({local_len} local rows x cp size {size}) but rotary_pos_emb has {freqs.shape[0]} rows")
-    return freqs.index_select(0, dense_positions(local_len, size, rank, freqs.device))
+        q = first.project(x).view(*lead, h, d)
+        kv = self.key_value(encoder_output)
+        kv_lead = encoder_output.shape[:-1]
+        if self.qkv_weight_interleaved:
+            return dict(query_layer=q, kv_layer=kv.view(*kv_lead, hg, 2, d), qkv_interleave_dim=-2)
+        return dict(query_layer=q, kv_layer=kv.view(*kv_lead, 2, hg, d), qkv_interleave_dim=-3)
 
 
 def _default_init(weight: torch.Tensor) -> None:
@@ -325,48 +355,3 @@ def _reject_unsupported(qk_norm_type: Optional[str], **flags: bool) -> None:
             raise NotImplementedError(f"{name}=True is not implemented by MultiheadAttention (accepted: False)")
     if qk_norm_type is not None:
         raise NotImplementedError(f"qk_norm_type={qk_norm_type!r} is not implemented by MultiheadAttention (accepted: None)")
-
-
-def _split(packed: dict):
-    if "qkv_layer" in packed:
-        t, dim = packed["qkv_layer"], packed["qkv_interleave_dim"]
-        return tuple(t.select(dim, i) for i in range(3))
-    if "kv_layer" in packed:
-        t, dim = packed["kv_layer"], packed["qkv_interleave_dim"]
-        return (packed["query_layer"], t.select(dim, 0), t.select(dim, 1))
-    return packed["query_layer"], packed["key_layer"], packed["value_layer"]
-
-
-def _positions(p: PackedSeqs) -> torch.Tensor:
-    """Position of each token row within its sequence (0 on rows outside any sequence)."""
-    seq = p.token_seq_ids().clamp(0, max(p.batch_size - 1, 0))
-    rows = torch.arange(p.total_tokens, device=p.offsets.device)
-    return torch.where(p.token_valid(), rows - p.offsets.long()[seq], 0) if p.batch_size else rows * 0
-
-
-def _bounded_positions(positions: torch.Tensor, available: int) -> torch.Tensor:
-    """Positions must index ``rotary_pos_emb``: checked where reading values is free (CPU, or
-    NVTE_ATTN_VALIDATE=1), clamped on the device otherwise (an index past the end would be a
-    device-side assert that ends the CUDA context)."""
-    if value_checks_on(positions.device):
-        if positions.numel() and int(positions.max()) >= available:
-            raise ValueError(f"rotary_pos_emb must hold a row for every position: a sequence reaches position "
-                             f"{int(positions.max())} but rotary_pos_emb has {available} rows")
-        return positions
-    return positions.clamp(max=max(available - 1, 0))
-
-
-def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, fmt: str, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Rotate-half RoPE on the first ``freqs.shape[-1]`` channels; ``freqs`` is [S, 1, 1, R]."""
-    if fmt == "thd":
-        f = freqs[_bounded_positions(positions, freqs.shape[0])].view(t.shape[0], 1, -1)
-    elif fmt == "sbhd":
-        f = freqs[: t.shape[0]]
-    else:
-        f = freqs[: t.shape[1]].transpose(0, 1)
-    rot = f.shape[-1]
-    x, rest = t[..., :rot], t[..., rot:]
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    out = x * f.cos().to(t.dtype) + rotated * f.sin().to(t.dtype)
-    return torch.cat((out, rest), dim=-1)

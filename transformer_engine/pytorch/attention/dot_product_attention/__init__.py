@@ -5,6 +5,7 @@ from .masks import AttnMaskType
 from .selection.params import AttentionParams
 from .prepare.layouts import get_qkv_layout
 from .selection.backend_selection import (BackendSelection, backend_scope, explain_backends, get_attention_backend, support_matrix_markdown)
+from .selection.te_compat import _attention_backends  # noqa: F401 - TE's test helpers import it from here
 
 __all__ = [
     "AttentionParams",

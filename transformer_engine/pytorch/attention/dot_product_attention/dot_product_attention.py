@@ -13,7 +13,9 @@ from typing import Any, Mapping, Optional, Tuple, Union
 import torch
 import torch.utils.checkpoint
 
-from .cp.context_parallel import context_parallel_forward, make_cp_config
+from .cp.context_parallel import CPConfig, check_layout, cp_call, make_cp_config, run_cp
+from .cp.support import reject_settings
+from . import extra_state
 from .environment import compiling
 from ..tensor_parallel import per_partition, tp_world_size
 from .prepare.fast_path import call_key, lookup, recipe_of, remember
@@ -32,7 +34,10 @@ class DotProductAttention(torch.nn.Module):
     defines it: ``num_attention_heads`` and ``num_gqa_groups`` are global counts and each rank
     passes its own ``h // tp`` heads (tp is ``tp_group``'s world size when given, else
     ``tp_size``). Context parallelism (``cp_group``) follows TE's contract; see
-    :mod:`.context_parallel`.
+    :mod:`.cp.context_parallel`. As in TE, ``cp_group``, ``cp_global_ranks``, ``cp_stream`` and
+    ``cp_comm_type`` are plain attributes, set by ``__init__`` and
+    :meth:`set_context_parallel_group` and read at each call (megatron-core assigns
+    ``cp_group`` and switches context parallelism on and off per call).
     """
 
     def __init__(
@@ -147,17 +152,16 @@ class DotProductAttention(torch.nn.Module):
         if inference_params is not None or fp8_output:
             raise NotImplementedError("inference_params (KV caching) and fp8_output are not implemented; pass None / False")
         check_num_splits(num_splits)
-        if self.cp_config is not None and self.cp_config.size > 1:
-            _reject_under_cp(self, bottom_right_diagonal)
-            fmt = check_format(qkv_format if qkv_format is not None else self.qkv_format)
-            qkv = resolve_qkv(query_layer, key_layer, value_layer, qkv_layer, kv_layer, qkv_interleave_dim, fmt)
-            return context_parallel_forward(
-                self, self.cp_config, qkv, fmt, attention_mask, (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded),
-                (max_seqlen_q, max_seqlen_kv), attn_mask_type, window_size, checkpoint_core_attention, core_attention_bias_type,
-                core_attention_bias, alibi_slopes, pad_between_seqs, attn_mask_type_per_seq, thd_sequence_is_causal)
         layers = (query_layer, key_layer, value_layer, qkv_layer, kv_layer)
         cus = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
         max_seqlens = (max_seqlen_q, max_seqlen_kv)
+        cp = self.cp_config if self.cp_group is not None else None  # the common case reads one attribute
+        if cp is not None and cp.size > 1:
+            return self._forward_cp(cp, layers, qkv_interleave_dim, qkv_format, checkpoint_core_attention, bottom_right_diagonal,
+                                    attention_mask=attention_mask, cus=cus, max_seqlens=max_seqlens, attn_mask_type=attn_mask_type,
+                                    window_size=window_size, pad_between_seqs=pad_between_seqs, per_seq=attn_mask_type_per_seq,
+                                    is_causal=thd_sequence_is_causal, bias_type=core_attention_bias_type,
+                                    bias=core_attention_bias, alibi_slopes=alibi_slopes)
         key = None
         if attention_mask is None and core_attention_bias is None and alibi_slopes is None and core_attention_bias_type == "no_bias":
             key = call_key(self, qkv_format, layers, qkv_interleave_dim, cus, max_seqlens, attn_mask_type, window_size,
@@ -166,7 +170,8 @@ class DotProductAttention(torch.nn.Module):
         # nothing of this dict, which eager calls keep changing.
         recipe = lookup(self._recipes, key) if key is not None else None
         if recipe is not None:
-            inp = recipe.inputs(self, layers, cus, max_seqlens, _packed_seqs, attn_mask_type_per_seq, thd_sequence_is_causal)
+            inp = recipe.inputs(self, layers, cus, max_seqlens, _packed_seqs, attn_mask_type_per_seq, thd_sequence_is_causal,
+                                num_splits)
             fmt, backend = recipe.qkv_format, recipe.selection.backend
             object.__setattr__(self, "last_selection", recipe.selection)
         else:
@@ -176,7 +181,7 @@ class DotProductAttention(torch.nn.Module):
                           attn_mask_type=attn_mask_type, window_size=window_size, pad_between_seqs=pad_between_seqs,
                           per_seq=attn_mask_type_per_seq, is_causal=thd_sequence_is_causal,
                           bottom_right_diagonal=bottom_right_diagonal, bias_type=core_attention_bias_type,
-                          bias=core_attention_bias, alibi_slopes=alibi_slopes, packed=_packed_seqs)
+                          bias=core_attention_bias, alibi_slopes=alibi_slopes, packed=_packed_seqs, num_splits=num_splits)
             backend = self._select(selection_params(self, inp, fmt, qkv.layout))
             if key is not None:
                 by_ids = None if attn_mask_type_per_seq is None and thd_sequence_is_causal is None else attn_mask_type_per_seq is not None
@@ -194,8 +199,37 @@ class DotProductAttention(torch.nn.Module):
         return _flatten(out, fmt)
 
     def set_context_parallel_group(self, cp_group: Any, cp_global_ranks: Any, cp_stream: Any, cp_comm_type: str = "p2p") -> None:
-        """Set (or, with ``cp_group=None``, clear) context parallelism, as TE's method does."""
-        self.cp_config = make_cp_config(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+        """Set (or, with ``cp_group=None`` or a group of one rank, switch off) context
+        parallelism, as TE's method does: it sets the four attributes, checked here."""
+        config = make_cp_config(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+        self.cp_group, self.cp_global_ranks, self.cp_stream, self.cp_comm_type = cp_group, cp_global_ranks, cp_stream, cp_comm_type
+        self.__dict__["_cp_parsed"] = ((cp_group, cp_global_ranks, cp_stream, cp_comm_type), config)
+
+    @property
+    def cp_config(self) -> Optional[CPConfig]:
+        """The four CP attributes parsed (None without a group). Parsed again when one was
+        assigned directly (as megatron-core assigns ``cp_group``), so they keep TE's meaning."""
+        attrs = (self.cp_group, self.cp_global_ranks, self.cp_stream, self.cp_comm_type)
+        parsed = self.__dict__.get("_cp_parsed")
+        if parsed is None or any(a is not b for a, b in zip(parsed[0], attrs)):
+            parsed = (attrs, make_cp_config(*attrs))
+            self.__dict__["_cp_parsed"] = parsed
+        return parsed[1]
+
+    def _forward_cp(self, cp: CPConfig, layers, interleave_dim: int, qkv_format: Optional[str], checkpoint: bool,
+                    bottom_right_diagonal: Optional[bool], **call: Any) -> torch.Tensor:
+        """The call under context parallelism: CP's own rules first (none reads a value the
+        preparation checks, and all come before any communication), then the one preparation,
+        told the CP size, the selection from its facts, and the cp/ entry."""
+        reject_settings(self.softmax_type, self.return_max_logit, bottom_right_diagonal)
+        fmt = check_format(qkv_format if qkv_format is not None else self.qkv_format)
+        qkv = resolve_qkv(*layers, interleave_dim, fmt)
+        check_layout(cp.size, fmt, qkv, call["cus"], call["pad_between_seqs"])
+        inp = prepare(self, qkv, fmt, bottom_right_diagonal=bottom_right_diagonal, cp_size=cp.size, **call)
+        cp_form = cp_call(inp, cp, self.training)
+        backend = self._select(selection_params(self, inp, fmt, qkv.layout, context_parallel=True, cp_comm_type=cp.comm_type))
+        with self._dropout_rng():
+            return _flatten(run_cp(cp_form, backend, self.training, checkpoint), fmt)
 
     def _dropout_rng(self):
         if self.get_rng_state_tracker is None or self.sequence_parallel or not (self.training and self.attention_dropout > 0):
@@ -210,6 +244,10 @@ class DotProductAttention(torch.nn.Module):
         # costs microseconds per call looking for parameters and submodules.
         object.__setattr__(self, "last_selection", selection)
         return selection.backend
+
+    # TE's checkpoint entry ``_extra_state`` (FP8 state; empty without FP8): see extra_state.py.
+    get_extra_state, set_extra_state = extra_state.get_extra_state, extra_state.set_extra_state
+    _load_from_state_dict = extra_state.load_from_state_dict
 
 
 def _add_softmax_offset(module: torch.nn.Module, softmax_type: str, heads: int, get_rng_state_tracker) -> None:
@@ -227,15 +265,6 @@ def _add_softmax_offset(module: torch.nn.Module, softmax_type: str, heads: int, 
         module.register_buffer("softmax_offset", torch.zeros(heads, dtype=torch.float32), persistent=False)
     else:
         module.softmax_offset = None
-
-
-def _reject_under_cp(module, bottom_right_diagonal) -> None:
-    """What the context-parallel schedules do not carry yet, refused by name before any
-    communication."""
-    for name, value, plain in (("softmax_type", module.softmax_type, "vanilla"), ("return_max_logit", module.return_max_logit, False),
-                               ("bottom_right_diagonal", bottom_right_diagonal, None)):
-        if value != plain:
-            raise NotImplementedError(f"{name}={value!r} is not supported with context parallelism yet; use {plain!r}")
 
 
 def _flatten(out: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -22,6 +22,7 @@ class FlashAttentionV3(FlashAttention):
     SUPPORTS_PAD_BETWEEN_SEQS = True
     SUPPORTS_PER_SEQ_POLICY = True
     SANITIZE_GAPS = True  # whole-tile reads, like FA4
+    NUM_SPLITS_MAJORS = frozenset({9})  # flash_attn_interface's num_splits (TE passes it to FA3 alone)
 
     @staticmethod
     def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
@@ -30,9 +31,15 @@ class FlashAttentionV3(FlashAttention):
         if not inp.is_thd:
             causal, left, right = fa_mask_args(inp.mask)
             return first_output(fa3.flash_attn_func(inp.q, inp.k, inp.v, softmax_scale=inp.softmax_scale, causal=causal,
-                                                    window_size=(left, right), deterministic=torch.are_deterministic_algorithms_enabled()))
+                                                    window_size=(left, right), deterministic=torch.are_deterministic_algorithms_enabled(),
+                                                    **_split_kwargs(inp)))
         plan = plan_varlen(inp)
         return run_library_varlen(guard_library_inputs(inp, plan, FlashAttentionV3), plan, _fa3_varlen_call)
+
+
+def _split_kwargs(inp: AttentionInputs) -> dict:
+    """``num_splits`` for FA3 where the call gave one (FA3's default, 1, where it did not)."""
+    return {} if inp.num_splits is None else {"num_splits": inp.num_splits}
 
 
 def _fa3_varlen_call(q, k, v, inp: AttentionInputs, call: KernelRun):
@@ -43,6 +50,7 @@ def _fa3_varlen_call(q, k, v, inp: AttentionInputs, call: KernelRun):
         q, k, v, call.offsets_q, call.offsets_kv, inp.packed_q.max_seqlen, inp.packed_kv.max_seqlen,
         seqused_q=call.seqused_q, seqused_k=call.seqused_kv, softmax_scale=inp.softmax_scale,
         causal=causal, window_size=(left, right), deterministic=torch.are_deterministic_algorithms_enabled(),
+        **_split_kwargs(inp),
     ))
 
 

@@ -19,6 +19,7 @@ import torch
 
 from .kernel_problem import KernelProblem, KernelRun, RowSpan, ScoreFeatures
 from ..prepare.inputs import AttentionInputs
+from ..selection.libraries import compute_capability
 from ..selection.support import SOFTMAX_TYPES, Reason
 from . import kernel_ops
 from .flash_common import FlashAttention, fa_mask_args
@@ -79,9 +80,11 @@ def fa4_fwd(
     window_left: int,
     window_right: int,
     learnable_sink: Optional[torch.Tensor] = None,
+    num_splits: Optional[int] = None,
 ) -> None:
     """``learnable_sink`` [H] float32: one extra logit per head in each softmax denominator
-    (after scaling), with no value; None for the vanilla softmax.
+    (after scaling), with no value; None for the vanilla softmax. ``num_splits``: TE's split-KV
+    hint (0: the library's heuristic), passed where FA4 has split-KV (:func:`_split_hint`).
 
     Calls the library's private ``_flash_attn_fwd``, by keyword: its public ``flash_attn_func``
     and ``flash_attn_varlen_func`` run their own autograd and take no output buffers."""
@@ -89,7 +92,21 @@ def fa4_fwd(
                             causal, window_left, window_right, learnable_sink)
     kwargs["q"], kwargs["k"], kwargs["v"] = q, k, v
     kwargs["return_lse"], kwargs["out"], kwargs["lse"] = lse is not None, out, lse
+    if num_splits is not None and _split_hint(q.device):
+        kwargs["num_splits"] = num_splits
     _library()._flash_attn_fwd(**kwargs)
+
+
+def _split_hint(device: torch.device) -> bool:
+    """Whether FA4 takes ``num_splits`` on this device: its split-KV forward exists on the
+    majors :attr:`FlashAttentionV4.NUM_SPLITS_MAJORS` names (4.0.0b36 asserts "SplitKV not
+    supported on SM 9.0", and its heuristic, num_splits=0, may choose a split there too).
+    Elsewhere the hint is dropped, as a performance hint may be. Off CUDA (the CPU stand-ins
+    of the tests) it is passed, so the tests see it arrive."""
+    if device.type != "cuda":
+        return True
+    major = compute_capability(device.index if device.index is not None else torch.cuda.current_device())[0]
+    return major in FlashAttentionV4.NUM_SPLITS_MAJORS
 
 
 def _fa4_fwd_fake(q, k, v, out, lse, *args) -> None:
@@ -199,6 +216,8 @@ class FlashAttentionV4(FlashAttention):
     SUPPORTED_SOFTMAX_TYPES = frozenset(SOFTMAX_TYPES)
     NOTES = {field: note for field, note in FlashAttention.NOTES.items() if field != "softmax_type"}
     CP_COMM_TYPES = frozenset({"p2p", "all_gather", "a2a", "a2a+p2p"})
+    # flash-attn-4 4.0.0b36 runs split-KV on sm10x/sm11x only (fa4_fwd drops the hint elsewhere).
+    NUM_SPLITS_MAJORS = frozenset({10})
 
     @classmethod
     def _check_special(cls, params, libs):
@@ -233,6 +252,7 @@ class _FA4Kernel:
     pass (the GPU tests assert those zeros, and that skipped rows of other policies stay 0)."""
 
     SANITIZE_GAPS = True
+    RETURNS_MAX_LOGIT = False  # FA4 returns the log-sum-exp only (selection keeps return_max_logit away)
 
     @staticmethod
     def forward(q, k, v, problem: KernelProblem, features: ScoreFeatures, need_lse: bool):
@@ -246,7 +266,7 @@ class _FA4Kernel:
             # The sink is always passed (None without one): a traced custom op needs every
             # argument its schema names, the mutated ones above all (dsink in the backward).
             kernel_ops.ops.fa4_fwd(q, k, v, out, lse, *_run_args(problem, run), problem.softmax_scale, *_mask_args(run),
-                                   learnable_sink=features.sink)
+                                   learnable_sink=features.sink, num_splits=problem.num_splits)
         if problem.rows_q is not None:
             kernel_ops.ops.zero_gap_rows(out, *problem.rows_q, -1)
         return out, [lse]
@@ -289,3 +309,4 @@ def _mask_args(run: KernelRun) -> Tuple[bool, int, int]:
     return fa_mask_args(run.spec)
 
 
+FlashAttentionV4.KERNEL = _FA4Kernel  # the declaration names its kernel interface (defined after the class)

@@ -1,14 +1,14 @@
 """The module's autograd around the kernels that write into caller buffers (FA4, cuDNN), on the
 kernel interface of :mod:`..kernel_problem`: :func:`run_kernel` describes the prepared call as
 one :class:`KernelProblem` (runs from the THD plan) and runs the backend's ``forward`` and
-``backward`` with the NaN guard, the bias and sink in the kernels' form, and dropout's Philox
-state.
+``backward`` with the NaN guard, the bias and sink in the kernels' form, dropout's Philox
+state, and TE's max logit where the kernel returns one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
@@ -35,15 +35,21 @@ class KernelCall:
     need_stats: bool
     alibi: bool
     dropout_p: float
+    max_logit: bool = False  # return TE's max logit (kernels whose class sets RETURNS_MAX_LOGIT)
 
     def forward(self, q, k, v, bias, sink):
-        """(q, k, v as the kernel read them, out, rng, stats)."""
+        """(q, k, v as the kernel read them, out, rng, stats, max logit [H] float32 or None)."""
         if self.guard == "copy":
             q, k, v = zero_spill_rows(self.problem.rows_q, self.problem.rows_kv, *(t.clone() for t in (q, k, v)))
         rng = _draw_rng(q.device) if self.dropout_p > 0 else None
-        features = ScoreFeatures(bias, self.alibi, self.dropout_p, rng, sink)
+        max_logit = torch.full((q.shape[-2],), float("-inf"), dtype=torch.float32, device=q.device) if self.max_logit else None
+        features = ScoreFeatures(bias, self.alibi, self.dropout_p, rng, sink, max_logit=max_logit)
         out, stats = self.kernel.forward(q, k, v, self.problem, features, self.need_stats)
-        return q, k, v, out, rng, stats
+        if max_logit is not None:
+            # Nothing scored (no key anywhere) gives float32's lowest value, as the unfused
+            # reference does for a fully masked head.
+            max_logit = max_logit.clamp_min(torch.finfo(torch.float32).min)
+        return q, k, v, out, rng, stats, max_logit
 
 
 class _KernelAttention(torch.autograd.Function):
@@ -52,13 +58,16 @@ class _KernelAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, sink, call: KernelCall):
-        q, k, v, out, rng, stats = call.forward(q, k, v, bias, sink)
+        q, k, v, out, rng, stats, max_logit = call.forward(q, k, v, bias, sink)
         ctx.call = call
         ctx.save_for_backward(q, k, v, out, bias, rng, sink, *stats)
-        return out
+        if max_logit is None:
+            return out
+        ctx.mark_non_differentiable(max_logit)  # TE's max logit carries no gradient
+        return out, max_logit
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, *_no_grad_for_the_max_logit):
         q, k, v, out, bias, rng, sink, *stats = ctx.saved_tensors
         call = ctx.call
         dout = dout if dout.stride() == out.stride() else dout.contiguous()
@@ -70,7 +79,10 @@ class _KernelAttention(torch.autograd.Function):
         return dq, dk, dv, dbias, dsink, None  # nothing for ``call``
 
 
-def run_kernel(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan], training: bool) -> torch.Tensor:
+def run_kernel(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan],
+               training: bool) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """The output, or (output, max logit [H] float32) where ``inp.return_max_logit`` asks for it
+    and the kernel returns one (a kernel forced past its declaration gives the output alone)."""
     guard = gap_guard(plan, kernel)
     if guard == "inplace":
         zero_spill_rows_in_place(inp)
@@ -79,10 +91,12 @@ def run_kernel(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan], trainin
     sink = None if inp.softmax_type == "vanilla" else inp.softmax_offset.reshape(-1).float().contiguous()
     # Without gradients FA4 may skip its log-sum-exp (``needs_input_grad`` ignores no_grad).
     need_stats = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (inp.q, inp.k, inp.v, bias, sink))
+    max_logit = inp.return_max_logit and kernel.RETURNS_MAX_LOGIT
     call = KernelCall(kernel, module_problem(inp, plan), guard, need_stats, inp.bias_type == "alibi",
-                      inp.dropout_p if training else 0.0)
+                      inp.dropout_p if training else 0.0, max_logit)
     if not need_stats:  # nothing to differentiate: skip autograd.Function.apply (~10 us of host time)
-        return call.forward(inp.q, inp.k, inp.v, bias, sink)[3]
+        _, _, _, out, _, _, top = call.forward(inp.q, inp.k, inp.v, bias, sink)
+        return (out, top) if max_logit else out
     return _KernelAttention.apply(inp.q, inp.k, inp.v, bias, sink, call)
 
 
@@ -105,10 +119,10 @@ def module_problem(inp: AttentionInputs, plan: Optional[VarlenPlan]) -> KernelPr
         if inp.q_valid is not None or inp.kv_valid is not None:
             lengths = (_dense_lengths(inp.q_valid, b, sq, inp.q.device), _dense_lengths(inp.kv_valid, b, skv, inp.q.device))
         run = KernelRun(0, inp.mask, None, None, *lengths, b)
-        return KernelProblem((run,), sq, skv, inp.softmax_scale, False, inp.same_lengths)
+        return KernelProblem((run,), sq, skv, inp.softmax_scale, False, inp.same_lengths, num_splits=inp.num_splits)
     pq, pk = inp.packed_q, inp.packed_kv
     return KernelProblem(plan.calls, pq.max_seqlen, pk.max_seqlen, inp.softmax_scale, True, inp.same_lengths,
-                         *packed_rows(inp))
+                         *packed_rows(inp), num_splits=inp.num_splits)
 
 
 def _dense_lengths(valid: Optional[torch.Tensor], b: int, s: int, device) -> torch.Tensor:

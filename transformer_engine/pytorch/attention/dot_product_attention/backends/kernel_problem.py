@@ -65,7 +65,7 @@ class KernelProblem(NamedTuple):
     parallelism does with its spans' covered rows). FA4 and cuDNN both leave skipped rows
     unwritten, so every run of a problem writes into one set of buffers (cuDNN also leaves
     a query row that sees no key unwritten: its buffers start zero-filled where that can
-    happen, see ``backends/cudnn.py``)."""
+    happen, see ``backends/cudnn/kernel.py``)."""
 
     runs: Sequence[KernelRun]
     max_seqlen_q: int
@@ -76,6 +76,9 @@ class KernelProblem(NamedTuple):
     same_lengths: bool = False
     rows_q: Optional[PackedRows] = None
     rows_kv: Optional[PackedRows] = None
+    # TE's num_splits: a split-KV hint for kernels that have one (None: the library's default).
+    # Results do not depend on it; a kernel without split-KV ignores it.
+    num_splits: Optional[int] = None
 
 
 @dataclass
@@ -83,7 +86,12 @@ class ScoreFeatures:
     """What a kernel adds on the way from scores to output: a post-scale ``bias`` (already in
     the inputs' dtype), ALiBi, dropout with its Philox ``rng`` (int64 [seed, offset], drawn
     once per forward from torch's generator and reused by the backward, so both see one mask),
-    and the attention ``sink`` logits (float32 [H]; off-by-one passes zeros)."""
+    and the attention ``sink`` logits (float32 [H]; off-by-one passes zeros). Each backend file
+    translates these into its library's arguments.
+
+    ``max_logit`` (forward only) asks for TE's max logit: a float32 [H] buffer holding -inf,
+    which a kernel whose class sets ``RETURNS_MAX_LOGIT`` raises to the max, over its runs'
+    sequences, queries and allowed keys, of the scores its softmax takes."""
 
     bias: Optional[torch.Tensor] = None
     alibi: bool = False
@@ -91,9 +99,7 @@ class ScoreFeatures:
     rng: Optional[torch.Tensor] = None
     sink: Optional[torch.Tensor] = None
     need_dsink: bool = False  # backward only: whether the sink's gradient is wanted
-
-    def cudnn_args(self) -> tuple:
-        return self.bias, self.rng, self.alibi, self.dropout_p, self.sink
+    max_logit: Optional[torch.Tensor] = None
 
 
 # The span interface (context parallelism) carries none of them: CP refuses a bias and, on its

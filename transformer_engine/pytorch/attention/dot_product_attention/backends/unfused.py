@@ -10,6 +10,7 @@ import torch
 from ..masks import AttnMaskType
 from ..prepare.inputs import AttentionInputs
 from ..selection.support import ALL_FLOAT, SOFTMAX_TYPES, BackendSupport, bias_thd_reasons
+from .unfused_kernel import UnfusedKernel
 from .unfused_math import unfused_attention
 
 
@@ -29,6 +30,7 @@ class UnfusedDotProductAttention(BackendSupport):
     SUPPORTS_PER_SEQ_POLICY = True
     SUPPORTED_SOFTMAX_TYPES = frozenset(SOFTMAX_TYPES)
     SUPPORTS_RETURN_MAX_LOGIT = True
+    KERNEL = UnfusedKernel
     CP_COMM_TYPES = frozenset({"p2p", "all_gather", "a2a", "a2a+p2p"})
 
     @classmethod

@@ -1,6 +1,6 @@
-"""The span interface context parallelism calls (:data:`.kernels.KERNELS` maps a selection to
-one): :class:`SpanAdapter` over a backend's kernel interface (``backends/kernel_problem.py``;
-FA4 and cuDNN), or the unfused reference's own ``UnfusedSpanKernel``.
+"""The span interface context parallelism calls: :class:`SpanAdapter` over the selected
+backend's kernel interface (its declaration's ``KERNEL``, ``backends/kernel_problem.py``; FA4,
+cuDNN and the unfused backend have one), made by :func:`span_kernel`.
 
 Shape legend: TQ/TK = rows of the local q / kv tensors, B = sequences, H = query heads,
 HG = key/value heads, D/Dv = head dims.
@@ -25,6 +25,7 @@ from typing import Any, Tuple
 
 import torch
 
+from ..backends import backend_label
 from ..backends.kernel_problem import NO_FEATURES, KernelProblem, KernelRun, RowSpan
 from ..masks import AttnMaskType, MaskSpec
 
@@ -88,3 +89,17 @@ class SpanAdapter:
         dq, dk, dv, _, _ = self.kernel.backward(dout, q, k, v, out, stats, span_problem(qs, ks, mask, scale), NO_FEATURES,
                                                 False)
         return rows_zero(dq, qs.covered), rows_zero(dk, ks.covered), rows_zero(dv, ks.covered)
+
+
+@lru_cache(maxsize=None)
+def _adapter(kernel: type) -> SpanAdapter:
+    return SpanAdapter(kernel)
+
+
+def span_kernel(backend: type, comm_type: str) -> SpanAdapter:
+    """The span interface over ``backend``'s kernel interface (one adapter per kernel class).
+    A backend without one (a scope forcing it past its declaration) is refused by name."""
+    if backend.KERNEL is None:
+        raise NotImplementedError(f"cp_comm_type={comm_type!r} runs its steps on a backend's kernel interface (FA4, cuDNN or "
+                                  f"the unfused backend); {backend_label(backend)} has none (use cp_comm_type='a2a')")
+    return _adapter(backend.KERNEL)

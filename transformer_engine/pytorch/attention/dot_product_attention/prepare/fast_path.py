@@ -56,10 +56,12 @@ class CallRecipe:
     policy: Optional[PolicyRecipe] = None  # THD calls given per-sequence policies
 
     def inputs(self, module, layers: Sequence[Optional[torch.Tensor]], cus, max_seqlens,
-               packed: Optional[PackedSides] = None, per_seq=None, is_causal=None) -> AttentionInputs:
+               packed: Optional[PackedSides] = None, per_seq=None, is_causal=None,
+               num_splits: Optional[int] = None) -> AttentionInputs:
         """The call's inputs as :func:`.prepare.prepare` would build them (``packed``: both THD
         sides already prepared by the caller for these arguments; ``per_seq`` / ``is_causal``:
-        the call's ``attn_mask_type_per_seq`` / ``thd_sequence_is_causal``)."""
+        the call's ``attn_mask_type_per_seq`` / ``thd_sequence_is_causal``; ``num_splits``: its
+        split-KV hint, a per-call field)."""
         query, key, value, qkv_layer, kv_layer = layers
         if self.packing == "qkv":
             query, key, value = split_packed(qkv_layer, self.interleave_dim)
@@ -76,7 +78,7 @@ class CallRecipe:
         policies = None
         if self.policy is not None:
             policies = self.policy.policies(per_seq, is_causal, pq.batch_size, q.device)
-        return assemble_inputs(self.static, q, k, v, pq, pk, policies, module.softmax_scale, module.softmax_offset)
+        return assemble_inputs(self.static, q, k, v, pq, pk, policies, module.softmax_scale, module.softmax_offset, num_splits)
 
 
 def recipe_of(inp: AttentionInputs, selection, qkv_format: str, qkv: ResolvedQKV, interleave_dim: int,

@@ -55,6 +55,14 @@ class AttentionInputs:
     softmax_offset: Optional[torch.Tensor] = None
     # The backend's ``run`` then returns (output, max logit [H]) instead of the output alone.
     return_max_logit: bool = False
+    # TE's split-KV hint (forward's ``num_splits``; None: not given). Backends pass it where
+    # their declaration's NUM_SPLITS_MAJORS says so and ignore it elsewhere: results do not
+    # depend on it. Per call: selection never reads it, so the fast path's key leaves it out.
+    num_splits: Optional[int] = None
+    # Context parallelism: q/k/v hold this rank's share (1/cp_size of every sequence, TE's
+    # zigzag split) and THD metadata indexes the GLOBAL rows; 1 for an ordinary call. A record
+    # with cp_size > 1 is run by the cp/ entry, never by a backend directly.
+    cp_size: int = 1
 
     @property
     def is_thd(self) -> bool:
@@ -73,9 +81,9 @@ class AttentionInputs:
 
 # What differs between two calls that share a fast-path key (fast_path.call_key): their tensors
 # (the per-sequence policies hold one), and what the key does not cover (the module's
-# softmax_scale and its softmax_offset tensor, which .to() replaces). Every other field is the
-# same for both: the cached static half.
-PER_CALL_FIELDS = ("q", "k", "v", "packed_q", "packed_kv", "policies", "softmax_scale", "softmax_offset")
+# softmax_scale and its softmax_offset tensor, which .to() replaces; the num_splits hint).
+# Every other field is the same for both: the cached static half.
+PER_CALL_FIELDS = ("q", "k", "v", "packed_q", "packed_kv", "policies", "softmax_scale", "softmax_offset", "num_splits")
 STATIC_FIELDS = tuple(f.name for f in fields(AttentionInputs) if f.name not in PER_CALL_FIELDS)
 
 
@@ -84,7 +92,7 @@ def static_half(inp: AttentionInputs) -> Mapping[str, Any]:
 
 
 def assemble_inputs(static: Mapping[str, Any], q, k, v, packed_q, packed_kv, policies, softmax_scale,
-                    softmax_offset) -> AttentionInputs:
+                    softmax_offset, num_splits: Optional[int] = None) -> AttentionInputs:
     """A record from a cached :func:`static_half` and one call's values, for the fast path.
 
     The generated frozen ``__init__`` sets each of the ~20 fields through
@@ -96,5 +104,5 @@ def assemble_inputs(static: Mapping[str, Any], q, k, v, packed_q, packed_kv, pol
     state.update(static)
     state["q"], state["k"], state["v"], state["packed_q"], state["packed_kv"] = q, k, v, packed_q, packed_kv
     state["policies"] = policies
-    state["softmax_scale"], state["softmax_offset"] = softmax_scale, softmax_offset
+    state["softmax_scale"], state["softmax_offset"], state["num_splits"] = softmax_scale, softmax_offset, num_splits
     return inp

@@ -160,17 +160,20 @@ def check_softmax_scale(scale) -> float:
 
 def check_num_splits(num_splits) -> None:
     """TE forwards num_splits to FlashAttention 3 as a split-KV performance hint; results do not
-    depend on it, and the kernels here choose their own splits, so it is checked and not used."""
+    depend on it. Here FA3 and FA4 take it where their declarations' NUM_SPLITS_MAJORS say so,
+    and every other backend ignores it."""
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0):
-        raise ValueError(f"num_splits must be None or a non-negative int (0/1 = the kernel chooses); got {num_splits!r}")
+        raise ValueError(f"num_splits must be None or a non-negative int (0 = the library's heuristic, 1 = no split); "
+                         f"got {num_splits!r}")
 
 
-def check_bottom_right_diagonal(value, mask: AttnMaskType, window, alibi: bool = False) -> AttnMaskType:
+def check_bottom_right_diagonal(value, mask: AttnMaskType, window, alibi: bool = False, source: Optional[str] = None) -> AttnMaskType:
     """TE's ``bottom_right_diagonal``. As in TE the mask type wins for causal masks (``causal`` /
     ``padding_causal`` are top-left, ``*_bottom_right`` bottom-right, whatever the flag says);
     for the other masks it aligns sliding windows and ALiBi, True (bottom-right) by default.
     Top-left windows and ALiBi on non-causal masks are not implemented: False is refused by name
-    where it would change something."""
+    where it would change something. ``source`` names where ``mask`` and ``window`` come from
+    when they are not the call's own (a per-sequence policy)."""
     if value is None:
         return mask
     if not isinstance(value, bool):
@@ -178,10 +181,19 @@ def check_bottom_right_diagonal(value, mask: AttnMaskType, window, alibi: bool =
     banded = window is not None and tuple(window) not in ((-1, -1), (-1, 0))
     if not mask.is_causal and not value and (banded or alibi):
         raise NotImplementedError(
-            f"bottom_right_diagonal=False with attn_mask_type={mask.value!r}: windows and ALiBi on non-causal masks are "
-            f"aligned bottom-right here; use None or True"
+            f"bottom_right_diagonal=False with {source or f'attn_mask_type={mask.value!r}'}: windows and ALiBi on "
+            f"non-causal masks are aligned bottom-right here; use None or True (a top-left band that ends at the "
+            f"diagonal is a causal mask: 'padding_causal' with window (left, 0))"
         )
     return mask
+
+
+def check_policy_diagonals(value, specs, arg: str) -> None:
+    """``bottom_right_diagonal`` against each per-sequence policy (``specs``: its MaskSpecs, from
+    ``arg``), as against the call's own mask: a policy's window is aligned like the call's."""
+    for spec in specs:
+        check_bottom_right_diagonal(value, spec.mask_type, spec.window, source=f"the {spec.mask_type.value!r} policy of {arg} "
+                                                                                f"(window {spec.window})")
 
 
 def check_kv_channels(kv_channels: Union[int, Tuple[int, int]]) -> Tuple[int, int]:

@@ -1,5 +1,9 @@
 """Command line: which backend would run a configuration, and why not the others.
 
+The answer is for this machine's installed libraries; where a GPU library is missing and a
+machine with every one would choose differently, a note says what that machine would choose
+(``--assume-all-libraries`` prints its report).
+
     te-attention-backend --dtype bf16 --format thd --mask padding_causal --head-dim 128 --cc 9.0
     python -m transformer_engine.pytorch.attention.dot_product_attention.selection.explain --matrix
 """
@@ -11,8 +15,8 @@ from typing import List, Optional
 
 import torch
 
-from .libraries import InstalledLibraries, installed_libraries
-from ..masks import AttnMaskType, normalize_window
+from .libraries import LIBRARY_INSTALLS, InstalledLibraries, installed_libraries
+from ..masks import AttnMaskType
 from .params import AttentionParams
 from .backend_selection import get_attention_backend, support_matrix_markdown
 
@@ -43,7 +47,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.matrix:
         print(support_matrix_markdown())
         return 0
-    mask = AttnMaskType.parse(args.mask)
     params = AttentionParams(
         qkv_dtype=DTYPES[args.dtype],
         device_type=args.device,
@@ -53,17 +56,36 @@ def main(argv: Optional[List[str]] = None) -> int:
         num_gqa_groups=args.gqa_groups or args.heads,
         head_dim_qk=args.head_dim,
         head_dim_v=args.head_dim,
-        attn_mask_type=mask,
-        window_size=normalize_window(tuple(args.window) if args.window else None, mask),
+        attn_mask_type=args.mask,
+        window_size=tuple(args.window) if args.window else None,
         attention_dropout=args.dropout,
         core_attention_bias_type=args.bias,
         pad_between_seqs=args.pad_between_seqs,
     )
-    # "All libraries": each at the release this package is tested with (cuDNN 9.26 runs every sink case).
-    tested = InstalledLibraries("2.7.4", "3.0.0", "4.0.0b36", "1.32.0", cudnn=92600)
-    libs = tested if args.assume_all_libraries else installed_libraries()
-    print(get_attention_backend(params, libs).report())
+    libs = TESTED_LIBRARIES if args.assume_all_libraries else installed_libraries()
+    selection = get_attention_backend(params, libs)
+    print(selection.report())
+    if not args.assume_all_libraries:
+        note = fallback_note(params, selection, libs)
+        if note:
+            print(note)
     return 0
+
+
+# "All libraries": each at the release this package is tested with (cuDNN 9.26 runs every sink case).
+TESTED_LIBRARIES = InstalledLibraries("2.7.4", "3.0.0", "4.0.0b36", "1.32.0", cudnn=92600)
+
+
+def fallback_note(params: AttentionParams, selection, libs: InstalledLibraries) -> Optional[str]:
+    """What a machine with every GPU library would choose, when it is not what this machine's
+    libraries allow (the answer above is for this machine)."""
+    missing = [install.package for name, install in LIBRARY_INSTALLS.items() if getattr(libs, name) is None]
+    gpu = get_attention_backend(params, TESTED_LIBRARIES)
+    if not missing or gpu.label == selection.label:
+        return None
+    return (f"note: this answer is for this machine, where {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not installed; with every GPU library installed, "
+            f"{gpu.label or 'no backend'} would be selected (run with --assume-all-libraries for its report)")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import functools
 import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -27,6 +27,29 @@ class InstalledLibraries:
     # The cuDNN library itself (torch's, which the frontend's graphs run on), as cuDNN numbers
     # it: 91900 for 9.19.0. Some features need a minimum (attention sinks: 9.13).
     cudnn: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class LibraryInstall:
+    """What one optional library is called and how to get it: ``modules`` are the import names
+    whose absence means it is not installed; ``pip`` the command(s) that install it."""
+
+    package: str
+    modules: Tuple[str, ...]
+    pip: str
+
+
+# Keyed by the InstalledLibraries field (a backend's LIBRARY). The extras are setup.py's.
+LIBRARY_INSTALLS = {
+    "flash_attn_2": LibraryInstall("flash-attn (2.x)", ("flash_attn",),
+                                   'pip install -e ".[fa2]" in this repository, or pip install "flash-attn>=2.4.1,<3"'),
+    "flash_attn_3": LibraryInstall("flash_attn_interface (FA3, the hopper build of flash-attention)", ("flash_attn_interface",),
+                                   "no wheel exists: build and install flash-attention's hopper/ directory"),
+    "flash_attn_4": LibraryInstall("flash-attn-4", ("flash_attn", "flash_attn.cute", "flash_attn.cute.interface"),
+                                   'pip install -e ".[fa4]" in this repository, or pip install flash-attn-4==4.0.0b36'),
+    "cudnn_frontend": LibraryInstall("nvidia-cudnn-frontend", ("cudnn",),
+                                     'pip install -e ".[cudnn]" in this repository, or pip install "nvidia-cudnn-frontend>=1.13,<1.33"'),
+}
 
 
 def _dist_version(*names: str) -> Optional[str]:

@@ -12,19 +12,15 @@ from typing import ClassVar, FrozenSet, List, Optional, Tuple
 
 import torch
 
+from ....tensor import QuantizedTensor
 from ..environment import backend_switch_on
-from .libraries import InstalledLibraries
+from .libraries import LIBRARY_INSTALLS, InstalledLibraries
 from ..masks import AttnMaskType
 from .params import AttentionParams
 
 HALF = frozenset({torch.float16, torch.bfloat16})
 ALL_FLOAT = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
-PACKAGES = {
-    "flash_attn_2": "flash-attn (2.x)",
-    "flash_attn_3": "flash_attn_interface (FA3, the hopper build of flash-attention)",
-    "flash_attn_4": "flash-attn-4",
-    "cudnn_frontend": "nvidia-cudnn-frontend",
-}
+PACKAGES = {field: install.package for field, install in LIBRARY_INSTALLS.items()}
 NON_ARBITRARY_MASKS = frozenset(m for m in AttnMaskType if m is not AttnMaskType.ARBITRARY)
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
@@ -73,8 +69,18 @@ class BackendSupport:
     SUPPORTS_DIFFERENT_HEAD_DIM_V: ClassVar[bool] = True
     SUPPORTED_SOFTMAX_TYPES: ClassVar[FrozenSet[str]] = frozenset({"vanilla"})
     SUPPORTS_RETURN_MAX_LOGIT: ClassVar[bool] = False
-    # Context parallelism: the comm types this backend runs the local steps of (its span kernel,
-    # cp/spans.py, sits in its file; cp_kernels.KERNELS maps it). a2a runs the ordinary path on the whole sequence, so every backend.
+    # TE's num_splits is a split-KV performance hint: the compute-capability majors on which the
+    # backend passes it to its library. Elsewhere (and by every backend with none) it is
+    # ignored, as TE ignores it outside FlashAttention 3; results do not depend on it.
+    NUM_SPLITS_MAJORS: ClassVar[FrozenSet[int]] = frozenset()
+    SUPPORTS_KV_CACHE: ClassVar[bool] = False  # TE's inference_params
+    # The backend's kernel interface (backends/kernel_problem.py: forward, backward,
+    # stats_to_rows, stats_from_rows), None where it has none. Context parallelism runs the
+    # ring and all-gather steps on it (cp/spans.py wraps it), so a backend declaring those comm
+    # types names one.
+    KERNEL: ClassVar[Optional[type]] = None
+    # Context parallelism: the comm types this backend runs. a2a calls the backend's ordinary
+    # run on the whole sequences after the all-to-all, so every backend; the others need KERNEL.
     CP_COMM_TYPES: ClassVar[FrozenSet[str]] = frozenset({"a2a"})
     NOTES: ClassVar[dict] = {}
 
@@ -132,6 +138,8 @@ class BackendSupport:
             out.append(Reason("qkv_dtype", str(params.qkv_dtype), _fmt(cls.SUPPORTED_DTYPES)))
         if params.qkv_format not in cls.SUPPORTED_FORMATS:
             out.append(Reason("qkv_format", params.qkv_format, _fmt(cls.SUPPORTED_FORMATS)))
+        if issubclass(params.qkv_type, QuantizedTensor):
+            out.append(Reason("qkv_type", params.qkv_type.__name__, "torch.Tensor (quantized q/k/v tensors are not implemented)"))
         return out
 
     @classmethod
@@ -174,6 +182,8 @@ class BackendSupport:
             out.append(Reason("softmax_type", repr(params.softmax_type), _fmt(cls.SUPPORTED_SOFTMAX_TYPES)))
         if params.return_max_logit and not cls.SUPPORTS_RETURN_MAX_LOGIT:
             out.append(Reason("return_max_logit", "True", "False"))
+        if params.kv_cache and not cls.SUPPORTS_KV_CACHE:
+            out.append(Reason("inference_params", "given (KV caching)", "None (KV caching is not implemented yet)"))
         if params.fp8:
             out.append(Reason("fp8", "True", "False (FP8 attention is not implemented)"))
         if params.context_parallel and params.cp_comm_type not in cls.CP_COMM_TYPES:
@@ -209,6 +219,7 @@ class BackendSupport:
             "per-seq policy": yes(cls.SUPPORTS_PER_SEQ_POLICY),
             "softmax_type": ", ".join(t for t in SOFTMAX_TYPES if t in cls.SUPPORTED_SOFTMAX_TYPES),
             "return_max_logit": yes(cls.SUPPORTS_RETURN_MAX_LOGIT),
+            "num_splits": ", ".join(f"sm{m}x" for m in sorted(cls.NUM_SPLITS_MAJORS)) or "ignored",
         }
 
 
