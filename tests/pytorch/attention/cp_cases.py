@@ -262,6 +262,7 @@ def run_dropout_case(case: Case, world: int, rank: int, cp_group) -> None:
     slots = batch.kwargs.get("cu_seqlens_q_padded", batch.kwargs["cu_seqlens_q"])
     names = ("out", "dq", "dk", "dv")
     for name, a, b in zip(names, first, again):
+        # exact: the same schedule run twice on one rank repeats the same ops
         assert torch.equal(a, b), f"{name}: two runs with one seed differ on rank {rank}"
     oracle = _head_group_oracle(case, world, batch, 7)
     plain = _reference(case, batch, dpa.softmax_scale)

@@ -249,6 +249,7 @@ def test_dropout_draws_inside_the_rng_tracker_fork():
     assert tracker.forks == 1 and torch.equal(torch.get_rng_state(), before), "dropout must not use the default generator"
     again = DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="causal", attention_dropout=0.5,
                                 get_rng_state_tracker=lambda: _ForkingTracker(7))(q, k, v)
+    # exact: the same call from the same tracker state repeats the same ops
     assert torch.equal(first, again), "the same tracker state must give the same dropout mask"
     dpa.eval()
     dpa(q, k, v)

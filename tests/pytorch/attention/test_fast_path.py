@@ -64,6 +64,7 @@ def _outputs(dpa, args, kwargs, leaves):
     return [out.detach()] + [t.grad.clone() for t in leaves]
 
 
+# exact: the fast path must run the very ops of the full path on the same data (bit-identical)
 def _assert_identical(got, want):
     for a, b in zip(got, want):
         assert torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
@@ -370,6 +371,7 @@ def test_eager_calls_between_compiled_ones_cause_no_recompile():
     assert len(dpa._recipes) == 2
     with torch._dynamo.config.patch(error_on_recompile=True):
         again = compiled(*args)
+    # exact: the same compiled graph on the same data
     assert torch.equal(first, again)
 
 
@@ -390,6 +392,7 @@ def test_multihead_attention_repeats_take_the_fast_path(full_paths):
     got = mha(x, **kw)
     assert len(full_paths) == 1
     mha.core_attention._recipes.clear()
+    # exact: the full path must run the fast path's ops on the same data
     assert torch.equal(got, mha(x, **kw)) and len(full_paths) == 2
 
 
@@ -571,6 +574,7 @@ def test_gpu_policy_hit_equals_full_path(label, spelling, full_paths):
     got = outputs(dpa, p, kw)
     assert len(full_paths) == 1
     want = outputs(DotProductAttention(H, 128, qkv_format="thd", attn_mask_type="padding"), p, kw)
+    # exact: the same FA4 configuration on the same data (its forward is deterministic)
     assert torch.equal(got[0], want[0])
     for a, b in zip(got[1:], want[1:]):
         assert torch.isfinite(a).all() and rel_err(a, b) < 1e-3

@@ -164,6 +164,7 @@ def test_dropout_follows_torch_seed_and_training_flag():
     torch.manual_seed(1)
     again = run_on(FUSED, dpa, *inputs)
     other = run_on(FUSED, dpa, *inputs)
+    # exact: the same cuDNN call from the same seed
     assert torch.equal(first, again), "same torch seed, different dropout"
     assert not torch.equal(first, other), "the generator did not advance"
     dpa.eval()

@@ -86,6 +86,7 @@ def test_thd_ignores_attention_mask():
     dpa = DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding_causal")
     kw = p.kwargs(True, 3, 3, shared=True)
     junk = torch.ones(2, 1, 1, 3, dtype=torch.bool)  # would mask everything if it were read
+    # exact: equivalent arguments prepare the same call, so the same ops run on the same data
     torch.testing.assert_close(dpa(p.q, p.k, p.v, attention_mask=junk, **kw), dpa(p.q, p.k, p.v, **kw), rtol=0, atol=0)
 
 
@@ -93,6 +94,7 @@ def test_thd_ignores_attention_mask():
 def test_num_splits_is_accepted_and_does_not_change_results(splits):
     q, k, v = _dense(grad=False)
     dpa = DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="causal")
+    # exact: num_splits must not change the prepared call
     torch.testing.assert_close(dpa(q, k, v, num_splits=splits), dpa(q, k, v), rtol=0, atol=0)
 
 
@@ -115,6 +117,7 @@ def test_bottom_right_diagonal_does_not_override_the_mask_type(mask, flag):
                                 torch.tensor([[False] * 7, [False] * 5 + [True] * 2]).view(2, 1, 1, 7))
     dpa = DotProductAttention(H, D, qkv_format="bshd", attention_type="cross")
     got = dpa(q, k, v, attn_mask_type=mask, bottom_right_diagonal=flag, **kw)
+    # exact: the flag must not change the prepared call
     torch.testing.assert_close(got, dpa(q, k, v, attn_mask_type=mask, **kw), rtol=0, atol=0)
 
 
@@ -142,6 +145,7 @@ def test_causal_window_reaching_right_is_cut_with_a_warning():
     with pytest.warns(UserWarning, match=r"using \(4, 0\)"):
         got = dpa(q, k, v)
     want = DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="causal", window_size=(4, 0))(q, k, v)
+    # exact: the normalized window must prepare the same call
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
@@ -151,6 +155,7 @@ def test_minus_one_zero_window_without_causal_mask_means_no_window():
     with pytest.warns(UserWarning, match=r"window_size=\(-1, 0\) with attn_mask_type='padding' means no window.*using \(-1, -1\)"):
         got = DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="padding", window_size=(-1, 0))(q, k, v, attention_mask=mask)
     want = DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="padding")(q, k, v, attention_mask=mask)
+    # exact: the normalized window must prepare the same call
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert (got - DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="causal")(q, k, v)).abs().max() > 1e-6
 

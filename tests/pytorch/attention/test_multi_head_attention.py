@@ -106,6 +106,7 @@ def test_rope_uses_sliced_path_and_rotates(monkeypatch):
     assert "qkv_layer" not in rotated  # RoPE acts on q and k separately: the sliced path
     torch.testing.assert_close(rotated["query_layer"], _rotate_pairs(q, angles), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(rotated["key_layer"], _rotate_pairs(k, angles), rtol=1e-12, atol=1e-12)
+    # exact: V is passed through untouched
     torch.testing.assert_close(rotated["value_layer"], v, rtol=0, atol=0)
 
 

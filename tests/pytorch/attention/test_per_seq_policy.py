@@ -80,6 +80,7 @@ def test_uniform_policy_is_exactly_the_scalar_path():
     kw = p.kwargs(True, 7, 7, shared=True)
     scalar = dpa(p.q, p.k, p.v, attn_mask_type="padding_causal", **kw)
     policy = dpa(p.q, p.k, p.v, attn_mask_type_per_seq={"padding_causal": _ids(*range(6)), "padding": _ids()}, **kw)
+    # exact: a uniform policy must run the scalar path's ops on the same data
     assert torch.equal(scalar, policy)
     assert dpa.last_selection.label == "UnfusedDotProductAttention"
 

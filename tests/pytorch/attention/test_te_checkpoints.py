@@ -105,6 +105,7 @@ def test_round_trip_through_torch_save(v):
     second = MultiheadAttention(HID, H, **v.kwargs())
     second.load_state_dict(torch.load(io.BytesIO(buf.getvalue())), strict=True)
     x, enc = _inputs(v)
+    # exact: the same weights (a lossless round trip) and inputs run the same ops
     torch.testing.assert_close(second(x, encoder_output=enc), first(x, encoder_output=enc), rtol=0, atol=0)
     assert _shapes(second.state_dict()) == te_keys(v)
 

@@ -2,7 +2,7 @@
 checked against.
 
 Shape legend: B = batch, H = query heads, HG = key/value heads, SQ/SKV = lengths, D = head dim,
-T = packed tokens.
+T = packed tokens, R = query rows of one chunk.
 
 Equivalent, per sequence and head (``allowed`` from :mod:`.masks`, rows with no allowed key
 give 0)::
@@ -10,14 +10,26 @@ give 0)::
     scores = q @ k.T * scale (+ bias)            # [SQ, SKV]
     probs  = softmax(scores where allowed else -inf)        # vanilla
            = exp(scores) / (exp(sink) + sum(exp(scores)))   # off-by-one (sink = 0), learnable
-    out    = dropout(probs) @ v
+    out    = probs_hook(dropout(probs)) @ v
     max_logit[h] = max over batch, queries and allowed keys of scores   # return_max_logit
 
-Memory: queries are processed in chunks whose score matrix holds at most
-``NVTE_UNFUSED_ATTN_MAX_SCORES`` elements (default 2**26, 256 MB in float32). With more than
-one chunk and gradients on, each chunk runs under ``torch.utils.checkpoint``: autograd keeps only
-q, k, v (and the outputs), and the backward recomputes one chunk's scores at a time. One chunk
-(small problems) runs exactly the unchunked math.
+Where P lives: :class:`.unfused_probs.Probabilities` forms it (in place of the scores) and
+:func:`_attend` consumes it; ``probs_hook`` (identity by default) sees it between the two, after
+dropout, as [B, H, R, SKV] in float32 (float64 for float64 inputs), and returns a tensor of that
+shape: an autograd Function there sees P forward and dP backward (FP8 emulation quantizes
+there). It is called once per chunk (per sequence on the CPU THD path), and once more per chunk
+when a checkpointed chunk is recomputed in the backward.
+
+Memory: queries are processed in chunks. ``NVTE_UNFUSED_ATTN_MAX_SCORES`` (default 2**26
+elements, 256 MB in float32) bounds the score-sized memory one chunk holds at once: without
+gradients one score matrix (the scores become P in place); with gradients two, as the backward
+turns P into dS in place while dP arrives (dropout adds two more: its output and its mask), so
+training chunks are half as tall. With gradients every chunk of a call that is not small (more
+than budget/8 score elements over all its sequences), one chunk included, runs under
+``torch.utils.checkpoint``: autograd keeps only q, k, v and the outputs between forward and
+backward, and the backward recomputes one chunk at a time. So a packed batch's peak follows its
+longest sequence (on the GPU, its gathered [B, S] batch), never the sum over its sequences, and
+one long sequence's forward+backward peaks near the budget, not at several score matrices.
 
 THD runs two ways with the same math. On the CPU, where reading offsets costs nothing, it loops
 over sequences, so memory follows the real lengths and padded rows are never read. On a GPU it
@@ -29,7 +41,8 @@ than the tensor holding it), so a huge declared max_seqlen with few tokens stays
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Tuple, Union
+from dataclasses import dataclass, replace
+from typing import Callable, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -39,34 +52,77 @@ from ..environment import UNFUSED_MAX_SCORES, UNFUSED_THD_GATHER, compiling
 from ..masks import UNBOUNDED, band_allowed
 from ..prepare.inputs import AttentionInputs
 from ..prepare.packed_seqs import PackedSeqs
+from .unfused_probs import probabilities
 
 IntOrTensor = Union[int, torch.Tensor]
+# [B, H, R, SKV] probabilities -> the same shape; see the module docstring.
+ProbsHook = Callable[[torch.Tensor], torch.Tensor]
+
+
+class AlibiTerm(NamedTuple):
+    """ALiBi's bias ``-slopes * distance`` for one chunk, kept factored so that no per-head
+    [B, H, R, SKV] bias tensor is built: slopes [B'|1, H, 1, 1], distance [B'|1, 1, R, SKV]."""
+
+    slopes: torch.Tensor
+    distance: torch.Tensor
+
+
 # (first query row, end row) -> (allowed [B'|1, H'|1, rows, SKV] bool or None, bias or None)
-RowMasks = Callable[[int, int], Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]
+RowMasks = Callable[[int, int], Tuple[Optional[torch.Tensor], Union[None, torch.Tensor, AlibiTerm]]]
 
 MAX_SCORES = UNFUSED_MAX_SCORES
 DEFAULT_MAX_SCORES = 1 << 26
+# Score-sized tensors a chunk holds at its peak (measured with tests' PeakMemory): the scores,
+# turned into P in place, without gradients; P (turned into dS in place) and dP in a
+# checkpointed backward; dropout adds its output and its mask (a float tensor on the CPU).
+FORWARD_SCORE_COPIES = 1
+BACKWARD_SCORE_COPIES = 2
+DROPOUT_SCORE_COPIES = 2
+# A call whose scores total at most budget / _SMALL_CALL elements is not checkpointed: autograd
+# keeps its P (small by definition), and the call skips checkpointing's host cost (measured 2.5x
+# on a 5-sequence THD forward+backward: 3.3 -> 8.5 ms of CPU time), which small calls feel.
+_SMALL_CALL = 8
 
 
-def unfused_attention(inp: AttentionInputs, training: bool) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+@dataclass(frozen=True, eq=False)
+class _ChunkCall:
+    """What every chunk of one call shares."""
+
+    inp: AttentionInputs
+    training: bool
+    dtype: torch.dtype  # float32, or float64 for float64 inputs: the reference computes accurately
+    sink: Optional[torch.Tensor]  # [H] sink logit, None for the vanilla softmax
+    probs_hook: Optional[ProbsHook]
+    recompute: bool = False  # every chunk under torch.utils.checkpoint (see _with_recompute)
+
+    @property
+    def drops(self) -> bool:
+        return self.inp.dropout_p > 0.0 and self.training
+
+
+def unfused_attention(inp: AttentionInputs, training: bool, probs_hook: Optional[ProbsHook] = None
+                      ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Run attention; returns [B, SQ, H, Dv] (dense) or [T, H, Dv] (THD), and with
-    ``inp.return_max_logit`` also the max logit ([H], float32/float64): (out, max_logit)."""
+    ``inp.return_max_logit`` also the max logit ([H], float32/float64): (out, max_logit).
+    ``probs_hook`` sees the probabilities before they multiply V (module docstring)."""
+    dtype = torch.float64 if inp.q.dtype == torch.float64 else torch.float32
+    call = _ChunkCall(inp, training, dtype, _sink(inp, inp.q.shape[-2]), probs_hook)
     if not inp.is_thd:
-        out, max_logit = _dense(inp, training)
+        out, max_logit = _dense(call)
     else:
         # Under torch.compile the gathered path traces (the per-sequence loop reads offsets).
         per_sequence = inp.q.device.type == "cpu" and not compiling()
         if per_sequence and UNFUSED_THD_GATHER.get("0") != "1":
-            out, max_logit = _thd_per_sequence(inp, training)
+            out, max_logit = _thd_per_sequence(call)
         else:
-            out, max_logit = _thd_gathered(inp, training)
+            out, max_logit = _thd_gathered(call)
     if inp.return_max_logit:
         return out, max_logit
     return out
 
 
 def max_scores_per_chunk() -> int:
-    """The score-matrix budget of one chunk, in elements (``NVTE_UNFUSED_ATTN_MAX_SCORES``)."""
+    """The score-sized memory budget of one chunk, in elements (``NVTE_UNFUSED_ATTN_MAX_SCORES``)."""
     raw = MAX_SCORES.get(str(DEFAULT_MAX_SCORES))
     try:
         value = int(raw)
@@ -88,33 +144,46 @@ def default_alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
     return torch.where(i < closest, base, extra).float()
 
 
-def _core(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inp: AttentionInputs, training: bool, masks: RowMasks
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: _ChunkCall, masks: RowMasks
+          ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """q [B, H, SQ, D], k/v [B, HG, SKV, D] -> (out [B, H, SQ, Dv], max logit [H] or None).
 
     ``masks(r0, r1)`` gives the allowed pairs and the bias of query rows [r0, r1), built per
     chunk so that no [SQ, SKV]-sized mask or bias exists either.
     """
     b, h, sq, _ = q.shape
-    step = max(1, max_scores_per_chunk() // max(1, b * h * k.shape[2]))
-    sink = _sink(inp, h)
-    if step >= sq:
-        return _attend(q, k, v, inp, training, masks, sink, 0, sq)
-    recompute = torch.is_grad_enabled()
-    # The RNG state is restored for the recomputation only when dropout draws from it.
-    keep_rng = inp.dropout_p > 0.0 and training
+    copies = BACKWARD_SCORE_COPIES if call.recompute else FORWARD_SCORE_COPIES
+    copies += DROPOUT_SCORE_COPIES if call.drops else 0
+    step = max(1, max_scores_per_chunk() // (copies * max(1, b * h * k.shape[2])))
     outs, maxes = [], []
-    for r0 in range(0, sq, step):
-        args = (q, k, v, inp, training, masks, sink, r0, min(r0 + step, sq))
-        if recompute:
-            out, mx = torch.utils.checkpoint.checkpoint(_attend, *args, use_reentrant=False, preserve_rng_state=keep_rng)
+    # Split, not sliced: a slice's backward builds a zero-filled q-sized gradient per chunk.
+    for r0, q_rows in zip(range(0, max(sq, 1), step), q.split(step, dim=2)):  # sq = 0: one empty chunk
+        args = (q_rows, k, v, call, masks, r0)
+        if call.recompute:
+            # The RNG state is restored for the recomputation only when dropout draws from it.
+            out, mx = torch.utils.checkpoint.checkpoint(_attend, *args, use_reentrant=False,
+                                                        preserve_rng_state=call.drops)
         else:
             out, mx = _attend(*args)
         outs.append(out)
         maxes.append(mx)
-    max_logit = torch.stack(maxes).amax(dim=0) if inp.return_max_logit else None
+    if len(outs) == 1:
+        return outs[0], maxes[0]
+    max_logit = torch.stack(maxes).amax(dim=0) if call.inp.return_max_logit else None
     return torch.cat(outs, dim=2), max_logit
+
+
+def _with_recompute(call: _ChunkCall, score_elements: int) -> _ChunkCall:
+    """``call`` set to checkpoint its chunks when autograd records it and its scores
+    (``score_elements`` in all, over every sequence) are not small (``_SMALL_CALL``)."""
+    inp = call.inp
+    leaves = (inp.q, inp.k, inp.v, inp.bias, inp.alibi_slopes, inp.softmax_offset)
+    records = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
+    # Recomputing dropout restores the generator's state, which a CUDA generator cannot report
+    # while a graph is being captured: there autograd keeps P instead (a host query, no sync).
+    capturing = call.drops and inp.q.is_cuda and torch.cuda.is_current_stream_capturing()
+    small = score_elements <= max_scores_per_chunk() // _SMALL_CALL
+    return replace(call, recompute=records and not capturing and not small)
 
 
 def _sink(inp: AttentionInputs, h: int) -> Optional[torch.Tensor]:
@@ -126,42 +195,47 @@ def _sink(inp: AttentionInputs, h: int) -> Optional[torch.Tensor]:
     return inp.softmax_offset.reshape(h)
 
 
-def _attend(q, k, v, inp: AttentionInputs, training: bool, masks: RowMasks, sink, r0: int, r1: int):
-    """Query rows [r0, r1) of :func:`_core`. Half inputs are computed in float32: this is the
-    reference, accuracy first. GQA groups query heads over their shared key head instead of
-    copying K/V."""
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    b, h, _, d = q.shape
-    hg, rows = k.shape[1], r1 - r0
-    allowed, bias = masks(r0, r1)
-    qf = q[:, :, r0:r1].to(dtype).reshape(b, hg, h // hg, rows, d)
+def _attend(q, k, v, call: _ChunkCall, masks: RowMasks, r0: int):
+    """Query rows [r0, r0 + R) of :func:`_core` (``q`` holds just those rows). Half inputs are
+    computed in float32: this is the reference, accuracy first. GQA groups query heads over their
+    shared key head instead of copying K/V. Scores are scaled, biased and masked in place
+    (autograd saves none of them)."""
+    inp, dtype = call.inp, call.dtype
+    b, h, rows, d = q.shape
+    hg, skv = k.shape[1], k.shape[2]
+    allowed, bias = masks(r0, r0 + rows)
+    qf = q.to(dtype).reshape(b, hg, h // hg, rows, d)
     kf, vf = k.to(dtype).unsqueeze(2), v.to(dtype).unsqueeze(2)
-    scores = qf @ kf.transpose(-1, -2)
-    if bias is not None and inp.bias_type == "pre_scale_bias":
-        scores = (scores + _group_heads(bias.to(dtype), hg)) * inp.softmax_scale
+    scores = qf @ kf.transpose(-1, -2)  # [B, HG, G, R, SKV]
+    if inp.bias_type == "pre_scale_bias":
+        _add_bias(scores, bias, hg, dtype).mul_(inp.softmax_scale)
     else:
-        scores = scores * inp.softmax_scale
-        if bias is not None:
-            scores = scores + _group_heads(bias.to(dtype), hg)
+        _add_bias(scores.mul_(inp.softmax_scale), bias, hg, dtype)
+    row_ok = None
     if allowed is not None:
         allowed = _group_heads(allowed, hg)
-        scores = scores.masked_fill(~allowed, torch.finfo(dtype).min)
+        scores.masked_fill_(allowed.logical_not(), torch.finfo(dtype).min)
+        row_ok = allowed.any(dim=-1, keepdim=True)
     # TE's max logit: scaled, biased, masked scores, before the sink joins; no gradient.
     max_logit = _max_logit(scores.detach(), h) if inp.return_max_logit else None
-    if sink is None:
-        probs = torch.softmax(scores, dim=-1)
-        if allowed is not None:
-            # A row with no allowed key softmaxes to uniform over "min": zero it, like the kernels.
-            probs = probs.masked_fill(~allowed, 0.0)
-    else:
-        # The sink is one more logit in the denominator with no value: a row with no allowed
-        # key puts all its weight there and comes out 0, with no special case.
-        lse = torch.logaddexp(torch.logsumexp(scores, dim=-1, keepdim=True), sink.to(dtype).view(1, hg, h // hg, 1, 1))
-        probs = torch.exp(scores - lse)
+    sink = None if call.sink is None else call.sink.to(dtype).view(1, hg, h // hg, 1, 1)
+    probs = probabilities(scores, row_ok, sink, call.recompute)
     if inp.dropout_p > 0.0:
-        probs = F.dropout(probs, p=inp.dropout_p, training=training)
+        probs = F.dropout(probs, p=inp.dropout_p, training=call.training)
+    if call.probs_hook is not None:
+        probs = call.probs_hook(probs.reshape(b, h, rows, skv)).reshape(b, hg, h // hg, rows, skv)
     out = probs @ vf
     return out.reshape(b, h, rows, v.shape[-1]).to(q.dtype), max_logit
+
+
+def _add_bias(scores: torch.Tensor, bias, hg: int, dtype: torch.dtype) -> torch.Tensor:
+    """scores [B, HG, G, R, SKV] += bias, in place; bias is a tensor [B'|1, H'|1, R, SKV] or an
+    :class:`AlibiTerm`."""
+    if bias is None:
+        return scores
+    if isinstance(bias, AlibiTerm):
+        return scores.addcmul_(_group_heads(bias.slopes, hg), _group_heads(bias.distance, hg), value=-1.0)
+    return scores.add_(_group_heads(bias.to(dtype), hg))
 
 
 def _max_logit(scores: torch.Tensor, h: int) -> torch.Tensor:
@@ -189,19 +263,20 @@ def _band(
     return band_allowed(qi, kj, shift, spec_left, spec_right)
 
 
-def _alibi_bias(
-    slopes: Optional[torch.Tensor], h: int, r0: int, r1: int, skv: int, shift: IntOrTensor, device
-) -> torch.Tensor:
+def _alibi_bias(slopes: Optional[torch.Tensor], h: int, r0: int, r1: int, skv: int, shift: IntOrTensor,
+                dtype: torch.dtype, device) -> AlibiTerm:
     """-slope * |j - i - shift| for query rows [r0, r1). As in TE, ALiBi follows the mask's
-    diagonal: ``shift`` is skv - sq (per sequence) for bottom-right masks and 0 for the top-left
-    ones (causal, padding_causal)."""
+    diagonal: ``shift`` is skv - sq (per sequence, [B, 1, 1, 1]) for bottom-right masks and 0
+    for the top-left ones (causal, padding_causal). Positions are exact in float32 up to 2**24."""
     if slopes is None:
         slopes = default_alibi_slopes(h, device)
-    slopes = slopes.to(device=device, dtype=torch.float64)  # exact positions; _attend casts
+    slopes = slopes.to(device=device, dtype=dtype)
     slopes = slopes.view(-1, h, 1, 1) if slopes.dim() == 2 else slopes.view(1, h, 1, 1)
-    qi = torch.arange(r0, r1, device=device).view(r1 - r0, 1)
-    kj = torch.arange(skv, device=device).view(1, skv)
-    return -slopes * (kj - qi - shift).abs().to(torch.float64)
+    qi = torch.arange(r0, r1, device=device, dtype=dtype).view(r1 - r0, 1)
+    kj = torch.arange(skv, device=device, dtype=dtype).view(1, skv)
+    diag = qi + (shift.to(dtype) if isinstance(shift, torch.Tensor) else shift)
+    distance = (kj - diag).abs_()
+    return AlibiTerm(slopes, distance.view(1, 1, r1 - r0, skv) if distance.dim() == 2 else distance)
 
 
 def _rows_of(t: Optional[torch.Tensor], r0: int, r1: int) -> Optional[torch.Tensor]:
@@ -214,10 +289,12 @@ def _rows_of(t: Optional[torch.Tensor], r0: int, r1: int) -> Optional[torch.Tens
 # ---------------------------------------------------------------------------- dense (bshd)
 
 
-def _dense(inp: AttentionInputs, training: bool):
+def _dense(call: _ChunkCall):
+    inp = call.inp
     q, k, v = (t.transpose(1, 2) for t in (inp.q, inp.k, inp.v))
     b, h, sq, _ = q.shape
     skv = k.shape[2]
+    call = _with_recompute(call, b * h * sq * skv)
     shift = _lengths(inp.kv_valid, b, skv, q.device) - _lengths(inp.q_valid, b, sq, q.device)
     band_shift = shift if inp.mask.mask_type.bottom_right else 0
 
@@ -232,10 +309,10 @@ def _dense(inp: AttentionInputs, training: bool):
             allowed = allowed.view(1, 1, r1 - r0, skv)
         bias = _rows_of(inp.bias, r0, r1)
         if inp.bias_type == "alibi":
-            bias = _alibi_bias(inp.alibi_slopes, h, r0, r1, skv, band_shift, q.device)
+            bias = _alibi_bias(inp.alibi_slopes, h, r0, r1, skv, band_shift, call.dtype, q.device)
         return allowed, bias
 
-    out, max_logit = _core(q, k, v, inp, training, masks)
+    out, max_logit = _core(q, k, v, call, masks)
     return out.transpose(1, 2), max_logit
 
 
@@ -289,10 +366,12 @@ def gathered_slot_length(p: PackedSeqs) -> int:
     return max(min(p.max_seqlen, p.total_tokens), 1)
 
 
-def _thd_gathered(inp: AttentionInputs, training: bool):
+def _thd_gathered(call: _ChunkCall):
     """Sync-free THD: gather each sequence into a [B, S] slot, attend, scatter back."""
+    inp = call.inp
     pq, pk = inp.packed_q, inp.packed_kv
     b, sq, skv = pq.batch_size, gathered_slot_length(pq), gathered_slot_length(pk)
+    call = _with_recompute(call, b * inp.q.shape[1] * sq * skv)
     q_rows, q_ok = _slot_rows(pq, sq)
     kv_rows, kv_ok = _slot_rows(pk, skv)
     q, k, v = (_gather(t, rows, ok) for t, rows, ok in ((inp.q, q_rows, q_ok), (inp.k, kv_rows, kv_ok), (inp.v, kv_rows, kv_ok)))
@@ -307,10 +386,10 @@ def _thd_gathered(inp: AttentionInputs, training: bool):
         allowed = allowed & q_ok[:, None, r0:r1, None] & kv_ok[:, None, None, :]
         bias = None
         if inp.bias_type == "alibi":
-            bias = _alibi_bias(inp.alibi_slopes, q.shape[1], r0, r1, skv, band_shift, q.device)
+            bias = _alibi_bias(inp.alibi_slopes, q.shape[1], r0, r1, skv, band_shift, call.dtype, q.device)
         return allowed, bias
 
-    out, max_logit = _core(q, k, v, inp, training, masks)  # [B, H, SQ, Dv]
+    out, max_logit = _core(q, k, v, call, masks)  # [B, H, SQ, Dv]
     out = out.transpose(1, 2).reshape(b * sq, *out.shape[1:2], out.shape[-1])
     # Invalid slots write to a dummy row past the end, dropped afterwards: no boolean indexing.
     total = pq.total_tokens
@@ -337,13 +416,18 @@ def _gather(t: torch.Tensor, rows: torch.Tensor, ok: torch.Tensor) -> torch.Tens
     return g.transpose(1, 2)
 
 
-def _thd_per_sequence(inp: AttentionInputs, training: bool):
-    """CPU THD: a loop over sequences; reading offsets is free on the host."""
+def _thd_per_sequence(call: _ChunkCall):
+    """CPU THD: a loop over sequences; reading offsets is free on the host. With gradients each
+    sequence's chunks are checkpointed, so autograd keeps no sequence's scores."""
+    inp = call.inp
     pq, pk = inp.packed_q, inp.packed_kv
     q_start, q_len = pq.offsets.tolist(), pq.seqlens().tolist()
     kv_start, kv_len = pk.offsets.tolist(), pk.seqlens().tolist()
+    call = _with_recompute(call, inp.q.shape[1] * sum(n * m for n, m in zip(q_len, kv_len)))
     left, right, br, _ = (x.tolist() for x in _seq_bands(inp, inp.q.device))
     h, dv = inp.q.shape[1], inp.v.shape[-1]
+    qs = _sequence_rows(inp.q, q_start, q_len)
+    ks, vs = (_sequence_rows(t, kv_start, kv_len) for t in (inp.k, inp.v))
     pieces, maxes, cursor = [], [], 0
     for i in range(pq.batch_size):
         n, m = q_len[i], kv_len[i]
@@ -352,39 +436,53 @@ def _thd_per_sequence(inp: AttentionInputs, training: bool):
         cursor = q_start[i] + n
         if n == 0:
             continue
-        q = inp.q[q_start[i] : cursor].transpose(0, 1).unsqueeze(0)
-        k = inp.k[kv_start[i] : kv_start[i] + m].transpose(0, 1).unsqueeze(0)
-        v = inp.v[kv_start[i] : kv_start[i] + m].transpose(0, 1).unsqueeze(0)
-        out, mx = _core(q, k, v, inp, training, _sequence_masks(inp, i, left[i], right[i], m - n, br[i], m, h, q.device))
+        q, k, v = (t[i].transpose(0, 1).unsqueeze(0) for t in (qs, ks, vs))
+        out, mx = _core(q, k, v, call, _sequence_masks(call, i, left[i], right[i], m - n, br[i], m, h))
         pieces.append(out[0].transpose(0, 1))
         maxes.append(mx)
     if pq.total_tokens > cursor:
         pieces.append(inp.q.new_zeros(pq.total_tokens - cursor, h, dv))
-    # Empty slices sum to exactly 0 yet tie q, k and v to the output, so their gradients are
-    # zero tensors (not None) even when no sequence reads them.
-    anchor = sum(t[:0].sum() for t in (inp.q, inp.k, inp.v))
-    out = torch.cat(pieces, dim=0) + anchor if pieces else inp.q.new_zeros(0, h, dv) + anchor
-    return out, _max_over_sequences(maxes, inp, h) if inp.return_max_logit else None
+    out = torch.cat(pieces, dim=0) if pieces else inp.q.new_zeros(0, h, dv)
+    if not maxes:
+        # No sequence read q, k or v (each one read makes full gradients through the split):
+        # empty slices sum to exactly 0 yet tie them to the output, so their gradients are zero
+        # tensors, not None.
+        out = out + sum(t[:0].sum() for t in (inp.q, inp.k, inp.v))
+    return out, _max_over_sequences(maxes, call, h) if inp.return_max_logit else None
 
 
-def _sequence_masks(inp: AttentionInputs, i: int, left: int, right: int, shift: int, bottom_right: bool, m: int, h: int,
-                    device) -> RowMasks:
+def _sequence_rows(t: torch.Tensor, starts, lengths) -> Tuple[torch.Tensor, ...]:
+    """Each sequence's rows of ``t`` [T, ..] as views from one ``split`` (offsets are ordered
+    and disjoint, checked on the CPU): its backward is one concatenation, where slicing would
+    build a zero-filled [T, ..] gradient per sequence."""
+    sizes, cursor = [], 0
+    for start, n in zip(starts, lengths):
+        sizes += [start - cursor, n]
+        cursor = start + n
+    sizes.append(t.shape[0] - cursor)
+    return torch.split(t, sizes)[1::2]
+
+
+def _sequence_masks(call: _ChunkCall, i: int, left: int, right: int, shift: int, bottom_right: bool, m: int, h: int
+                    ) -> RowMasks:
+    inp, device = call.inp, call.inp.q.device
     slopes = inp.alibi_slopes
     if slopes is not None and slopes.dim() == 2:
         slopes = slopes[i : i + 1]
 
+    diag_shift = shift if bottom_right else 0
+
     def masks(r0: int, r1: int):
-        allowed = _band(left, right, shift if bottom_right else 0, r0, r1, m, device).view(1, 1, r1 - r0, m)
-        bias = _alibi_bias(slopes, h, r0, r1, m, shift if bottom_right else 0, device) if inp.bias_type == "alibi" else None
+        allowed = _band(left, right, diag_shift, r0, r1, m, device).view(1, 1, r1 - r0, m)
+        bias = _alibi_bias(slopes, h, r0, r1, m, diag_shift, call.dtype, device) if inp.bias_type == "alibi" else None
         return allowed, bias
 
     return masks
 
 
-def _max_over_sequences(maxes, inp: AttentionInputs, h: int) -> torch.Tensor:
+def _max_over_sequences(maxes, call: _ChunkCall, h: int) -> torch.Tensor:
     """The max logit over every sequence; no sequence at all gives the dtype's lowest value
     (what a fully masked head gives: nothing was allowed)."""
     if maxes:
         return torch.stack(maxes).amax(dim=0)
-    dtype = torch.float64 if inp.q.dtype == torch.float64 else torch.float32
-    return torch.full((h,), torch.finfo(dtype).min, dtype=dtype, device=inp.q.device)
+    return torch.full((h,), torch.finfo(call.dtype).min, dtype=call.dtype, device=call.inp.q.device)
