@@ -264,3 +264,17 @@ def test_rng_tracker_is_checked_and_passed_through_multihead_attention():
     tracker = _ForkingTracker(0)
     mha = MultiheadAttention(H * D, H, get_rng_state_tracker=lambda: tracker, device="cpu")
     assert mha.core_attention.get_rng_state_tracker() is tracker
+
+
+def test_unfused_inside_torch_autocast_computes_in_float32():
+    """Inside torch.autocast the unfused reference still computes in float32 (its matmuls would
+    otherwise run in bf16 and the masked fill overflow): same result as outside, in the inputs'
+    dtype."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 5, 4, 8, dtype=torch.bfloat16) for _ in range(3))
+    dpa = DotProductAttention(4, 8, qkv_format="bshd", attn_mask_type="causal")
+    want = dpa(q, k, v)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = dpa(q, k, v)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same float32 ops on the same data

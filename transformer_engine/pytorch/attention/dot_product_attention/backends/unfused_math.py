@@ -107,6 +107,17 @@ def unfused_attention(inp: AttentionInputs, training: bool, probs_hook: Optional
     ``probs_hook`` sees the probabilities before they multiply V (module docstring)."""
     dtype = torch.float64 if inp.q.dtype == torch.float64 else torch.float32
     call = _ChunkCall(inp, training, dtype, _sink(inp, inp.q.shape[-2]), probs_hook)
+    # The reference computes in float32/float64 even inside a torch.autocast region (whose
+    # matmuls would otherwise run in bf16/fp16 and overflow the masked fill).
+    with torch.autocast(inp.q.device.type, enabled=False):
+        out, max_logit = _dispatch(call)
+    if inp.return_max_logit:
+        return out, max_logit
+    return out
+
+
+def _dispatch(call: _ChunkCall):
+    inp = call.inp
     if not inp.is_thd:
         out, max_logit = _dense(call)
     else:
@@ -116,9 +127,7 @@ def unfused_attention(inp: AttentionInputs, training: bool, probs_hook: Optional
             out, max_logit = _thd_per_sequence(call)
         else:
             out, max_logit = _thd_gathered(call)
-    if inp.return_max_logit:
-        return out, max_logit
-    return out
+    return out, max_logit
 
 
 def max_scores_per_chunk() -> int:
