@@ -435,3 +435,13 @@ def test_fast_path_key_carries_the_fp8_mode():
     low = step(dpa, q, k, v, delayed())
     assert not torch.equal(high, low) and torch.equal(dpa(q, k, v), high)
     assert len(dpa._recipes) == 2  # one cached recipe per mode
+
+
+def test_fp8_under_torch_compile_is_refused_by_name(monkeypatch):
+    from transformer_engine.pytorch.attention.dot_product_attention.fp8 import context
+
+    monkeypatch.setattr(context, "compiling", lambda: True)  # what torch.compile's tracing reports
+    dpa = module()
+    q, k, v = bshd(8)
+    with te.autocast(recipe=delayed()), pytest.raises(NotImplementedError, match="FP8 attention \\(fp8_dpa=True\\) under torch.compile is not supported"):
+        dpa(q, k, v)

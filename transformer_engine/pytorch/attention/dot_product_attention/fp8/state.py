@@ -7,7 +7,7 @@ so that a checkpoint's ``scale_fwd`` [9], ``amax_history_fwd`` [L, 9], ``scale_b
 ``amax_history_bwd`` [L, 6] mean the same here and in TE.
 
 A history's row 0 collects the current step's amaxes (each quantization takes the maximum with
-what is there, as TE's cast kernels do); the update rolls it into the window and recomputes the
+what is there, as TE's cast kernels do: see quantize.Quantizer); the update rolls it into the window and recomputes the
 scales, on the device, as TE's fused kernel does (see :func:`delayed_update`).
 """
 
@@ -41,11 +41,6 @@ class ScalingState:
         """Scales 1 and an empty history, as TE starts them."""
         return cls(torch.ones(slots, dtype=torch.float32, device=device),
                    torch.zeros(history_len, slots, dtype=torch.float32, device=device))
-
-    def record(self, slot: int, amax: torch.Tensor) -> None:
-        """Take the maximum of ``amax`` and what this step recorded in ``slot`` (no sync)."""
-        row = self.amax_history[0]
-        row[slot] = torch.maximum(row[slot], amax.to(row.dtype))
 
     def resize_history(self, history_len: int) -> None:
         """TE's adjust_amax_history_length: keep the first ``history_len`` rows, or pad zero
