@@ -317,10 +317,10 @@ def test_a_restored_module_computes_the_same_fp8_result():
     assert torch.equal(trained._fp8_state.bwd.amax_history, restored._fp8_state.bwd.amax_history)
 
 
-def _te_pickled_recipe(fields):
-    """A DelayedScaling as TE 2.x pickles its (pydantic) record: the class path and the instance
-    dict, which carries the fields of that release (here one this release lacks, and one missing)."""
-    r = object.__new__(recipe.DelayedScaling)
+def _te_pickled_recipe(fields, cls=recipe.DelayedScaling):
+    """A recipe as TE 2.x pickles its (pydantic) records: the class path and the instance dict,
+    which carries the fields of that release (here one this release lacks, and one missing)."""
+    r = object.__new__(cls)
     r.__dict__.update(fields)
     return r
 
@@ -345,6 +345,28 @@ def test_a_state_pickled_the_way_te_does_loads():
     step(dpa, q, k, v, st.recipe)  # the history continues: the window is the loaded 3.0 and this step's amax
     assert torch.equal(dpa._fp8_state.fwd.amax_history[:, QKV], torch.stack([torch.zeros(()), _qkv_amax(q, k, v)]))
     assert torch.equal(dpa._fp8_state.fwd.scale[QKV], torch.tensor(E4M3_MAX, dtype=F32) / torch.clamp(_qkv_amax(q, k, v), min=3.0))
+
+
+def test_a_te_state_naming_classes_this_package_lacks_loads(monkeypatch):
+    """TE's current-scaling runs pickle a Float8CurrentScaling (with TE's QParams records) among
+    extra_fp8_variables["local_recipes"]: the state still loads; the unknown records are kept."""
+
+    class QParams:  # stands for TE's class while pickling; absent when loading
+        def __init__(self):
+            self.power_2_scale = False
+
+    QParams.__module__, QParams.__qualname__ = "transformer_engine.common.recipe", "QParams"
+    monkeypatch.setattr(recipe, "QParams", QParams, raising=False)
+    current = _te_pickled_recipe({"fp8_format": recipe.Format.HYBRID, "fp8_dpa": True, "fp8_mha": False,
+                                  "fp8_quant_fwd_inp": QParams()}, recipe.Float8CurrentScaling)
+    state = {"recipe": delayed(), "scale_fwd": torch.full((9,), 2.0), "amax_history_fwd": torch.zeros(1, 9),
+             "scale_bwd": torch.ones(6), "amax_history_bwd": torch.zeros(1, 6),
+             "extra_fp8_variables": {"num_gemms": 3, "local_recipes": [current, delayed()]}}
+    blob = torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+    monkeypatch.delattr(recipe, "QParams")
+    dpa = module()
+    dpa.load_state_dict({"_extra_state": blob})
+    assert torch.equal(dpa._fp8_state.fwd.scale, torch.full((9,), 2.0))
 
 
 def test_older_te_states_and_keys_load():

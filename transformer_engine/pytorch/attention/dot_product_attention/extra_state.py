@@ -72,10 +72,12 @@ def get_extra_state(self) -> torch.Tensor:
 
 
 def set_extra_state(self, state: Any) -> None:
-    """TE's empty state or None leave the module as it is; a delayed-scaling state becomes its FP8
-    state (used from the next FP8 call on); any other is kept as bytes."""
+    """A delayed-scaling state becomes the module's FP8 state (used from its next FP8 call on); any
+    other non-empty state is kept as bytes. TE's empty state or None drop kept bytes and leave an
+    FP8 state the module has (TE's modules keep theirs too)."""
     data = extra_state_bytes(state, type(self).__name__)
     if data is None:
+        keep_extra_state(self, None)
         return
     restored = deserialize(data)
     if restored is None:
