@@ -39,7 +39,7 @@ __all__ = ["autocast", "fp8_autocast", "quantized_model_init", "fp8_model_init",
 
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 _RUNS_HERE = "FP8 attention here runs DelayedScaling or Float8CurrentScaling"
-_BLACKWELL_ONLY = {
+_NOT_RUN_HERE = {
     "MXFP8BlockScaling": "MXFP8 needs Blackwell (sm100) tensor cores in TE",
     "NVFP4BlockScaling": "NVFP4 needs Blackwell (sm100) tensor cores in TE",
     "Float8BlockScaling": "FP8 block scaling is a GEMM recipe (TE's attention refuses it)",
@@ -65,7 +65,7 @@ def check_fp8_support() -> Tuple[bool, str]:
 
 
 def _not_here(recipe_name: str) -> Tuple[bool, str]:
-    return False, f"{recipe_name} is not implemented by te-attention ({_BLACKWELL_ONLY[recipe_name]}); {_RUNS_HERE}"
+    return False, f"{recipe_name} is not implemented by te-attention ({_NOT_RUN_HERE[recipe_name]}); {_RUNS_HERE}"
 
 
 def check_recipe_support(recipe: Recipe) -> None:
