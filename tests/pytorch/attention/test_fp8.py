@@ -440,11 +440,12 @@ def test_fp8_mha_and_fp8_output_are_refused_by_name():
         dpa(q, k, v, fp8_output=True)
 
 
-def test_fp8_with_context_parallelism_is_refused_before_any_collective():
+def test_fp8_with_context_parallelism_is_refused_before_any_collective(monkeypatch):
     from types import SimpleNamespace
 
     dpa = module()
-    object.__setattr__(dpa, "cp_config", SimpleNamespace(size=2))
+    monkeypatch.setattr(type(dpa), "cp_config", property(lambda self: SimpleNamespace(size=2)))  # as a 2-rank group's
+    dpa.cp_group = "a group of two ranks"
     q, k, v = bshd(8)
     with te.autocast(recipe=delayed()), pytest.raises(NotImplementedError, match="FP8 attention \\(fp8_dpa=True\\) with context parallelism is not implemented"):
         dpa(q, k, v)

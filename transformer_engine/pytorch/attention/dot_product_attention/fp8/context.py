@@ -125,7 +125,7 @@ def _refuse_unsupported(module: Any, recipe: Recipe) -> None:
             "(TE's Float8Tensor) from the QKV projection through attention to the output projection, and this "
             "package's projections are bf16/fp16 layers with no FP8 tensor to take or hand on. Use fp8_dpa=True, "
             "fp8_mha=False (FP8 inside attention, high precision in and out)")
-    cp = getattr(module, "cp_config", None)
+    cp = module.cp_config if getattr(module, "cp_group", None) is not None else None
     if cp is not None and cp.size > 1:
         raise NotImplementedError("FP8 attention (fp8_dpa=True) with context parallelism is not implemented; "
                                   "run FP8 attention without cp_group, or context parallelism in bf16/fp16")
