@@ -1,16 +1,18 @@
 """TransformerEngine-compatible PyTorch modules.
 
-Attention (``DotProductAttention``, ``MultiheadAttention``) is implemented; so are the pieces
-around it that training code relies on (``distributed.CudaRNGStatesTracker``,
-``fp8.fp8_autocast(enabled=False)``). The other TE modules exported here (``Linear``,
+Attention (``DotProductAttention``, ``MultiheadAttention``) is implemented, FP8 attention
+included (``autocast``/``fp8_autocast`` with ``DelayedScaling`` or ``Float8CurrentScaling`` and
+``fp8_dpa=True``); so are the pieces around it that training code relies on
+(``distributed.CudaRNGStatesTracker``, the FP8 state). The other TE modules exported here (``Linear``,
 ``LayerNormLinear``, ``GroupedLinear``, ``LayerNorm``, ``RMSNorm``, ``ops``, ``router``) are
 importable, subclassable stand-ins that raise ``NotImplementedError`` when used.
 """
 
-from . import distributed, fp8, ops, router, tensor
+from . import distributed, fp8, ops, quantization, router, tensor
 from .attention import DotProductAttention, MultiheadAttention
 from .attention.inference import InferenceParams, KVCacheManager, NonPagedKVCacheManager, PagedKVCacheManager
-from .fp8 import fp8_autocast, fp8_model_init
+from .quantization import (autocast, fp8_autocast, fp8_model_init, get_default_recipe, is_fp8_available,
+                           is_fp8_block_scaling_available, is_mxfp8_available, is_nvfp4_available, quantized_model_init)
 from .module import GroupedLinear, LayerNorm, LayerNormLinear, Linear, RMSNorm
 from .attention.dot_product_attention.cp.partition import (
     gather_context_parallel,
@@ -32,8 +34,16 @@ __all__ = [
     "RMSNorm",
     "distributed",
     "fp8",
+    "autocast",
     "fp8_autocast",
     "fp8_model_init",
+    "quantized_model_init",
+    "get_default_recipe",
+    "is_fp8_available",
+    "is_fp8_block_scaling_available",
+    "is_mxfp8_available",
+    "is_nvfp4_available",
+    "quantization",
     "ops",
     "router",
     "tensor",

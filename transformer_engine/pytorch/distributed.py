@@ -14,11 +14,12 @@ from typing import Dict, Iterator, Optional, Set
 
 import torch
 
-from .fp8 import FP8GlobalStateManager
+from .quantization import FP8GlobalStateManager
 
 _MODEL_PARALLEL_RNG = "model-parallel-rng"
 
-# Read by FP8 modules in TE; here FP8 is never on, so "enabled" stays False (see fp8.py).
+# Read by FP8 modules (here: DotProductAttention's FP8 state, fp8/context.py) to stash the forward
+# scales for an activation-recompute rerun and to record no amaxes in that rerun, as TE does.
 _FP8_ACTIVATION_RECOMPUTE_ENABLED = False
 _FP8_ACTIVATION_RECOMPUTE_PHASE = False
 _ALL_ACTIVE_RNG_STATES: Dict[str, torch.Tensor] = {}
@@ -111,9 +112,8 @@ def set_all_rng_states(states: Dict[str, torch.Tensor]) -> None:
 def activation_recompute_forward(activation_recompute: bool = False, recompute_phase: bool = False) -> Iterator[None]:
     """Marks a forward run under activation checkpointing (``recompute_phase``: the rerun in backward).
 
-    TE's FP8 modules read these flags to keep or reuse their FP8 scaling state; FP8 is never on
-    here, so "recompute enabled" stays False and only the phase is recorded. Both flags are
-    restored on exit, so nested regions behave.
+    FP8 modules read these flags to keep or reuse their FP8 scaling state ("recompute enabled"
+    only inside an FP8 region). Both flags are restored on exit, so nested regions behave.
     """
     global _FP8_ACTIVATION_RECOMPUTE_ENABLED, _FP8_ACTIVATION_RECOMPUTE_PHASE
     saved = (_FP8_ACTIVATION_RECOMPUTE_ENABLED, _FP8_ACTIVATION_RECOMPUTE_PHASE)

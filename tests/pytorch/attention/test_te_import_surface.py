@@ -1,4 +1,4 @@
-"""The TE names around attention that training code imports: the version, FP8 state (off),
+"""The TE names around attention that training code imports: the version, the FP8 surface,
 the RNG-state tracker, the recompute context, and the stand-ins that must fail by name."""
 
 from __future__ import annotations
@@ -68,17 +68,20 @@ def test_placeholders_can_be_subclassed_and_fail_on_construction():
     assert issubclass(Float8Tensor, te.tensor.QuantizedTensor)
 
 
-def test_fp8_is_off():
+def test_fp8_surface_is_te_2_10s(monkeypatch):
+    """The names TE 2.10 exports (details and behaviour: test_fp8.py)."""
+    monkeypatch.delenv("NVTE_UnfusedDPA_Emulate_FP8", raising=False)
     assert FP8GlobalStateManager.is_fp8_enabled() is False
-    available, reason = FP8GlobalStateManager.is_fp8_available()
-    assert available is False and "no FP8" in reason
+    assert te.autocast is te.quantization.autocast and te.fp8.fp8_autocast is te.quantization.fp8_autocast
+    assert te.quantized_model_init is te.quantization.quantized_model_init
     assert isinstance(FP8GlobalStateManager.get_fp8_recipe(), recipe.DelayedScaling)
-    with fp8_autocast(enabled=False):
-        assert not FP8GlobalStateManager.is_fp8_enabled()
-    with pytest.raises(NotImplementedError, match=r"fp8_autocast\(enabled=True, calibrating=False\) is not implemented"):
-        fp8_autocast(enabled=True, fp8_recipe=recipe.DelayedScaling())
-    with pytest.raises(NotImplementedError, match="fp8_autocast"):
-        te.fp8_autocast()  # TE's default is enabled=True
+    if not torch.cuda.is_available():
+        available, reason = FP8GlobalStateManager.is_fp8_available()
+        assert available is False and "NVTE_UnfusedDPA_Emulate_FP8=1" in reason
+        assert te.is_fp8_available() is False
+    with pytest.warns(DeprecationWarning, match="fp8_autocast is deprecated; use autocast"):
+        with fp8_autocast(enabled=False):
+            assert not FP8GlobalStateManager.is_fp8_enabled()
 
 
 def test_recipes_are_records_with_checked_formats():

@@ -17,6 +17,7 @@ from .cp.context_parallel import CPConfig, check_layout, cp_call, make_cp_config
 from .cp.support import reject_settings
 from . import extra_state
 from .environment import compiling
+from .fp8.context import fp8_call_context
 from ..tensor_parallel import per_partition, tp_world_size
 from .prepare.fast_path import call_key, lookup, recipe_of, remember
 from .masks import AttnMaskType, normalize_window
@@ -152,6 +153,7 @@ class DotProductAttention(torch.nn.Module):
         if inference_params is not None or fp8_output:
             raise NotImplementedError("inference_params (KV caching) and fp8_output are not implemented; pass None / False")
         check_num_splits(num_splits)
+        fp8 = fp8_call_context(self, (query_layer, qkv_layer))  # None unless an FP8 region asks for FP8 attention
         layers = (query_layer, key_layer, value_layer, qkv_layer, kv_layer)
         cus = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
         max_seqlens = (max_seqlen_q, max_seqlen_kv)
@@ -165,13 +167,13 @@ class DotProductAttention(torch.nn.Module):
         key = None
         if attention_mask is None and core_attention_bias is None and alibi_slopes is None and core_attention_bias_type == "no_bias":
             key = call_key(self, qkv_format, layers, qkv_interleave_dim, cus, max_seqlens, attn_mask_type, window_size,
-                           pad_between_seqs, bottom_right_diagonal, attn_mask_type_per_seq, thd_sequence_is_causal)
+                           pad_between_seqs, bottom_right_diagonal, attn_mask_type_per_seq, thd_sequence_is_causal, fp8)
         # Not read while torch.compile traces (key is None there), so the traced graph carries
         # nothing of this dict, which eager calls keep changing.
         recipe = lookup(self._recipes, key) if key is not None else None
         if recipe is not None:
             inp = recipe.inputs(self, layers, cus, max_seqlens, _packed_seqs, attn_mask_type_per_seq, thd_sequence_is_causal,
-                                num_splits)
+                                num_splits, fp8)
             fmt, backend = recipe.qkv_format, recipe.selection.backend
             object.__setattr__(self, "last_selection", recipe.selection)
         else:
@@ -181,7 +183,7 @@ class DotProductAttention(torch.nn.Module):
                           attn_mask_type=attn_mask_type, window_size=window_size, pad_between_seqs=pad_between_seqs,
                           per_seq=attn_mask_type_per_seq, is_causal=thd_sequence_is_causal,
                           bottom_right_diagonal=bottom_right_diagonal, bias_type=core_attention_bias_type,
-                          bias=core_attention_bias, alibi_slopes=alibi_slopes, packed=_packed_seqs, num_splits=num_splits)
+                          bias=core_attention_bias, alibi_slopes=alibi_slopes, packed=_packed_seqs, num_splits=num_splits, fp8=fp8)
             backend = self._select(selection_params(self, inp, fmt, qkv.layout))
             if key is not None:
                 by_ids = None if attn_mask_type_per_seq is None and thd_sequence_is_causal is None else attn_mask_type_per_seq is not None

@@ -69,6 +69,15 @@ CP_HOST_STAGING = Switch("NVTE_CP_HOST_STAGING")  # "1": CP transfers staged thr
 # (varlen.py). Off by default: on the H200 it gained at most ~7% replayed from a CUDA graph and
 # cost up to ~0.3 ms of eager host time (benchmarks/results/2026-12-03-h200/mixed_2dc2a39.md).
 THD_POLICY_COMPACT = Switch("NVTE_THD_POLICY_COMPACT")
+# FP8 attention (TE's names). "1": the unfused backend emulates the FP8 kernels (any device).
+FP8_EMULATE = Switch("NVTE_UnfusedDPA_Emulate_FP8")
+# "0": FP8 forward, high-precision backward (default "1": the backward quantizes dO, dP, dQKV).
+FP8_DPA_BWD = Switch("NVTE_FP8_DPA_BWD")
+# Under Float8CurrentScaling, S and dP keep delayed scaling (a fused kernel needs their scales
+# before it forms them): the history length, amax algorithm and reduction of that state.
+DPA_FP8DS_AMAX_HISTLEN = Switch("NVTE_DPA_FP8DS_AMAX_HISTLEN")
+DPA_FP8DS_AMAX_ALGO = Switch("NVTE_DPA_FP8DS_AMAX_ALGO")
+DPA_FP8DS_REDUCE_AMAX = Switch("NVTE_DPA_FP8DS_REDUCE_AMAX")
 
 # The switches that decide backend selection (the debug switches last).
 _SELECTION_KEYS = (
@@ -78,13 +87,14 @@ _SELECTION_KEYS = (
     "NVTE_FLASH_ATTN_V2",
     "NVTE_FLASH_ATTN_V3",
     "NVTE_FLASH_ATTN_V4",
+    "NVTE_UnfusedDPA_Emulate_FP8",
     "NVTE_DEBUG",
     "NVTE_DEBUG_LEVEL",
 )
 _SELECTION_BYTES = tuple(os.fsencode(k) for k in _SELECTION_KEYS)
 
 
-DEBUG_SLICE = slice(6, 8)  # where NVTE_DEBUG and NVTE_DEBUG_LEVEL sit in the snapshot
+DEBUG_SLICE = slice(len(_SELECTION_KEYS) - 2, len(_SELECTION_KEYS))  # NVTE_DEBUG, NVTE_DEBUG_LEVEL in the snapshot
 
 
 def env_snapshot() -> tuple:

@@ -3,12 +3,14 @@
 TE's Linear, LayerNormLinear and DotProductAttention save their FP8 scaling state as
 ``<module>._extra_state``: a 1-D uint8 tensor holding the pickled state, or an EMPTY uint8 tensor
 when the module has none (it never ran in FP8). On load they take that tensor, ``None`` (older
-checkpoints), or an ``io.BytesIO`` (TE 1.x's format). Nothing here runs FP8 yet: a non-empty
-state is kept as bytes, unread (never unpickled), and saved back unchanged, so a TE checkpoint
-survives a load and a save here.
+checkpoints), or an ``io.BytesIO`` (TE 1.x's format). The projections here never run FP8: a
+non-empty state is kept as bytes, unread (never unpickled), and saved back unchanged, so a TE
+checkpoint survives a load and a save here.
 
-:func:`get_extra_state` and :func:`set_extra_state` are DotProductAttention's two methods; the
-FP8 work replaces them with ones that write and read the module's FP8 state.
+:func:`get_extra_state` and :func:`set_extra_state` are DotProductAttention's two methods: they
+write and read the module's FP8 attention state (:mod:`.fp8.checkpoint`, TE's format); a state
+this package cannot run (a recipe other than delayed scaling carries no tensors) is kept as bytes
+and saved back unchanged, like the projections'.
 :func:`load_from_state_dict` is DotProductAttention's ``_load_from_state_dict``: as in TE, a
 checkpoint without the core attention's entry loads (TE 1.5 and older wrote none; megatron's
 distributed checkpoints leave it out unless the softmax is learnable), and TE 1.6/1.7's
@@ -21,6 +23,8 @@ import io
 from typing import Any, List, Optional
 
 import torch
+
+from .fp8.checkpoint import deserialize, serialize
 
 _KEPT = "_te_extra_state"  # where a module keeps the bytes it loaded
 
@@ -57,17 +61,30 @@ def kept_extra_state(module: torch.nn.Module) -> torch.Tensor:
     return extra_state_tensor(getattr(module, _KEPT, None))
 
 
-# DotProductAttention's methods (``self`` is the module). The FP8 work replaces the first two.
+# DotProductAttention's methods (``self`` is the module).
 
 
 def get_extra_state(self) -> torch.Tensor:
-    """TE's ``_extra_state``: empty (no FP8 state), or what a checkpoint loaded, unchanged."""
-    return kept_extra_state(self)
+    """TE's ``_extra_state``: the FP8 attention state in TE's format; else what a checkpoint
+    loaded, unchanged; else TE's empty one."""
+    state = getattr(self, "_fp8_state", None)
+    return serialize(state) if state is not None else kept_extra_state(self)
 
 
 def set_extra_state(self, state: Any) -> None:
-    """Accepts TE's empty state, None, or a non-empty one (kept as bytes until FP8 runs here)."""
-    keep_extra_state(self, state)
+    """A delayed-scaling state becomes the module's FP8 state (used from its next FP8 call on); any
+    other non-empty state is kept as bytes. TE's empty state or None drop kept bytes and leave an
+    FP8 state the module has (TE's modules keep theirs too)."""
+    data = extra_state_bytes(state, type(self).__name__)
+    if data is None:
+        keep_extra_state(self, None)
+        return
+    restored = deserialize(data)
+    if restored is None:
+        keep_extra_state(self, state)
+        return
+    keep_extra_state(self, None)
+    self._fp8_state = restored
 
 
 def load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,

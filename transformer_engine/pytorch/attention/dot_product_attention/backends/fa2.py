@@ -24,6 +24,7 @@ class FlashAttentionV2(FlashAttention):
         **FlashAttention.NOTES,
         "pad_between_seqs": "flash-attn 2 has no seqused_q/k, so it cannot skip gaps between sequences",
         "attn_mask_type_per_seq": "per-sequence policies need seqused_q/k, which flash-attn 2 lacks",
+        "fp8": "flash-attn 2 has no FP8 kernels",
     }
 
     @staticmethod

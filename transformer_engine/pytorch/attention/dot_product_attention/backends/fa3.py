@@ -23,6 +23,8 @@ class FlashAttentionV3(FlashAttention):
     SUPPORTS_PER_SEQ_POLICY = True
     SANITIZE_GAPS = True  # whole-tile reads, like FA4
     NUM_SPLITS_MAJORS = frozenset({9})  # flash_attn_interface's num_splits (TE passes it to FA3 alone)
+    NOTES = {**FlashAttention.NOTES,
+             "fp8": "FA3's FP8 kernels are forward-only (inference: no backward), and not wired here"}
 
     @staticmethod
     def run(inp: AttentionInputs, training: bool) -> torch.Tensor:

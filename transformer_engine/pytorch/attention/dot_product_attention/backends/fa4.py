@@ -214,7 +214,8 @@ class FlashAttentionV4(FlashAttention):
     # flash-attn-4 (4.0.0b36) takes ``learnable_sink`` [H] in the forward and returns its
     # gradient from the backward (dense and varlen, sm90 and sm10x); off-by-one is a sink of 0.
     SUPPORTED_SOFTMAX_TYPES = frozenset(SOFTMAX_TYPES)
-    NOTES = {field: note for field, note in FlashAttention.NOTES.items() if field != "softmax_type"}
+    NOTES = {**{field: note for field, note in FlashAttention.NOTES.items() if field != "softmax_type"},
+             "fp8": "flash-attn-4 (4.0.0b36) has no FP8 attention path"}
     CP_COMM_TYPES = frozenset({"p2p", "all_gather", "a2a", "a2a+p2p"})
     # flash-attn-4 4.0.0b36 runs split-KV on sm10x/sm11x only (fa4_fwd drops the hint elsewhere).
     NUM_SPLITS_MAJORS = frozenset({10})

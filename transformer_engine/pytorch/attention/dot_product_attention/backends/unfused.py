@@ -9,7 +9,8 @@ import torch
 
 from ..masks import AttnMaskType
 from ..prepare.inputs import AttentionInputs
-from ..selection.support import ALL_FLOAT, SOFTMAX_TYPES, BackendSupport, bias_thd_reasons
+from ..fp8.emulation import run_emulated
+from ..selection.support import ALL_FLOAT, HALF, SOFTMAX_TYPES, BackendSupport, Reason, bias_thd_reasons
 from .unfused_kernel import UnfusedKernel
 from .unfused_math import unfused_attention
 
@@ -32,13 +33,19 @@ class UnfusedDotProductAttention(BackendSupport):
     SUPPORTS_RETURN_MAX_LOGIT = True
     KERNEL = UnfusedKernel
     CP_COMM_TYPES = frozenset({"p2p", "all_gather", "a2a", "a2a+p2p"})
+    FP8_SUPPORT = "emulated"
 
     @classmethod
     def _check_special(cls, params, libs):
-        return bias_thd_reasons(params)
+        out = bias_thd_reasons(params)
+        if params.fp8 and params.qkv_dtype not in HALF:
+            out.append(Reason("qkv_dtype", f"{params.qkv_dtype} with FP8 attention", "bfloat16, float16 (FP8 attention takes half-precision inputs, as TE's)"))
+        return out
 
     @staticmethod
     def run(inp: AttentionInputs, training: bool) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """The output, or (output, max logit [H]) with ``inp.return_max_logit`` (the one backend
-        that declares SUPPORTS_RETURN_MAX_LOGIT)."""
+        that declares SUPPORTS_RETURN_MAX_LOGIT); FP8 calls run the emulation of the FP8 kernels."""
+        if inp.fp8 is not None:
+            return run_emulated(inp, training, unfused_attention)
         return unfused_attention(inp, training)

@@ -7,7 +7,7 @@ T = packed tokens, R = query rows of one chunk.
 Equivalent, per sequence and head (``allowed`` from :mod:`.masks`, rows with no allowed key
 give 0)::
 
-    scores = q @ k.T * scale (+ bias)            # [SQ, SKV]
+    scores = scores_hook(q @ k.T * scale (+ bias))          # [SQ, SKV]
     probs  = softmax(scores where allowed else -inf)        # vanilla
            = exp(scores) / (exp(sink) + sum(exp(scores)))   # off-by-one (sink = 0), learnable
     out    = probs_hook(dropout(probs)) @ v
@@ -18,7 +18,11 @@ Where P lives: :class:`.unfused_probs.Probabilities` forms it (in place of the s
 dropout, as [B, H, R, SKV] in float32 (float64 for float64 inputs), and returns a tensor of that
 shape: an autograd Function there sees P forward and dP backward (FP8 emulation quantizes
 there). It is called once per chunk (per sequence on the CPU THD path), and once more per chunk
-when a checkpointed chunk is recomputed in the backward.
+when a checkpointed chunk is recomputed in the backward. ``scores_hook`` (None by default) sees
+the masked scores just before they become P, [B, HG, G, R, SKV], only where autograd records:
+it must return them unchanged, as the same tensor (an autograd Function that marks them dirty,
+since P is formed in their place), and sees dS, their gradient, in the backward: what FP8
+attention calls dP and quantizes (the FP8 emulation, fp8/quantize.py).
 
 Memory: queries are processed in chunks. ``NVTE_UNFUSED_ATTN_MAX_SCORES`` (default 2**26
 elements, 256 MB in float32) bounds the score-sized memory one chunk holds at once: without
@@ -93,6 +97,7 @@ class _ChunkCall:
     dtype: torch.dtype  # float32, or float64 for float64 inputs: the reference computes accurately
     sink: Optional[torch.Tensor]  # [H] sink logit, None for the vanilla softmax
     probs_hook: Optional[ProbsHook]
+    scores_hook: Optional[ProbsHook] = None
     recompute: bool = False  # every chunk under torch.utils.checkpoint (see _with_recompute)
 
     @property
@@ -100,13 +105,14 @@ class _ChunkCall:
         return self.inp.dropout_p > 0.0 and self.training
 
 
-def unfused_attention(inp: AttentionInputs, training: bool, probs_hook: Optional[ProbsHook] = None
-                      ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+def unfused_attention(inp: AttentionInputs, training: bool, probs_hook: Optional[ProbsHook] = None,
+                      scores_hook: Optional[ProbsHook] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Run attention; returns [B, SQ, H, Dv] (dense) or [T, H, Dv] (THD), and with
     ``inp.return_max_logit`` also the max logit ([H], float32/float64): (out, max_logit).
-    ``probs_hook`` sees the probabilities before they multiply V (module docstring)."""
+    ``probs_hook`` sees the probabilities before they multiply V, ``scores_hook`` the scores
+    before they become the probabilities (module docstring)."""
     dtype = torch.float64 if inp.q.dtype == torch.float64 else torch.float32
-    call = _ChunkCall(inp, training, dtype, _sink(inp, inp.q.shape[-2]), probs_hook)
+    call = _ChunkCall(inp, training, dtype, _sink(inp, inp.q.shape[-2]), probs_hook, scores_hook)
     # The reference computes in float32/float64 even inside a torch.autocast region (whose
     # matmuls would otherwise run in bf16/fp16 and overflow the masked fill).
     with torch.autocast(inp.q.device.type, enabled=False):
@@ -228,6 +234,8 @@ def _attend(q, k, v, call: _ChunkCall, masks: RowMasks, r0: int):
     # TE's max logit: scaled, biased, masked scores, before the sink joins; no gradient.
     max_logit = _max_logit(scores.detach(), h) if inp.return_max_logit else None
     sink = None if call.sink is None else call.sink.to(dtype).view(1, hg, h // hg, 1, 1)
+    if call.scores_hook is not None and scores.requires_grad:
+        scores = call.scores_hook(scores)
     probs = probabilities(scores, row_ok, sink, call.recompute)
     if inp.dropout_p > 0.0:
         probs = F.dropout(probs, p=inp.dropout_p, training=call.training)

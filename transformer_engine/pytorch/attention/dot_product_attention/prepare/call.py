@@ -58,6 +58,7 @@ def prepare(
     packed: Optional[PackedSides] = None,
     num_splits: Optional[int] = None,
     cp_size: int = 1,
+    fp8: Any = None,
 ) -> AttentionInputs:
     """The checked, complete inputs of one call of ``module`` (a DotProductAttention).
 
@@ -68,6 +69,7 @@ def prepare(
     not read under context parallelism (``cp_size`` > 1: this rank holds 1/cp_size of the rows,
     see the module docstring). ``num_splits``: the forward's split-KV hint, checked by the caller
     (``check_num_splits``).
+    ``fp8``: the call's FP8 context (:func:`..fp8.context.fp8_call_context`), None in high precision.
     """
     check_qkv(qkv.q, qkv.k, qkv.v, qkv_format, module.num_attention_heads_per_partition, module.num_gqa_groups_per_partition,
               module.head_dims)
@@ -99,7 +101,7 @@ def prepare(
         q, k, v, fmt, spec, module.softmax_scale, module.attention_dropout, packed_q=pq, packed_kv=pk, policies=policies,
         q_valid=dense[0], kv_valid=dense[1], arbitrary_mask=dense[2], bias_type=bias_type, bias=bias, bias_shape=bias_shape,
         alibi_slopes=alibi_slopes, softmax_type=module.softmax_type, softmax_offset=module.softmax_offset,
-        return_max_logit=module.return_max_logit, num_splits=num_splits, cp_size=cp_size)
+        return_max_logit=module.return_max_logit, num_splits=num_splits, cp_size=cp_size, fp8=fp8)
 
 
 def _packed_call(q, k, cus, max_seqlens, pad_between_seqs, per_seq, is_causal, raw_window, spec: MaskSpec,
@@ -160,6 +162,7 @@ def selection_params(module: Any, inp: AttentionInputs, qkv_format: str, layout:
         return_max_logit=inp.return_max_logit,
         context_parallel=context_parallel,
         cp_comm_type=cp_comm_type,
+        fp8=inp.fp8 is not None,
     )
 
 

@@ -57,11 +57,12 @@ class CallRecipe:
 
     def inputs(self, module, layers: Sequence[Optional[torch.Tensor]], cus, max_seqlens,
                packed: Optional[PackedSides] = None, per_seq=None, is_causal=None,
-               num_splits: Optional[int] = None) -> AttentionInputs:
+               num_splits: Optional[int] = None, fp8=None) -> AttentionInputs:
         """The call's inputs as :func:`.prepare.prepare` would build them (``packed``: both THD
         sides already prepared by the caller for these arguments; ``per_seq`` / ``is_causal``:
         the call's ``attn_mask_type_per_seq`` / ``thd_sequence_is_causal``; ``num_splits``: its
-        split-KV hint, a per-call field)."""
+        split-KV hint, a per-call field; ``fp8``: its FP8 context, a per-call
+        field whose mode is in the key)."""
         query, key, value, qkv_layer, kv_layer = layers
         if self.packing == "qkv":
             query, key, value = split_packed(qkv_layer, self.interleave_dim)
@@ -78,7 +79,8 @@ class CallRecipe:
         policies = None
         if self.policy is not None:
             policies = self.policy.policies(per_seq, is_causal, pq.batch_size, q.device)
-        return assemble_inputs(self.static, q, k, v, pq, pk, policies, module.softmax_scale, module.softmax_offset, num_splits)
+        return assemble_inputs(self.static, q, k, v, pq, pk, policies, module.softmax_scale, module.softmax_offset, num_splits,
+                               fp8)
 
 
 def recipe_of(inp: AttentionInputs, selection, qkv_format: str, qkv: ResolvedQKV, interleave_dim: int,
@@ -179,12 +181,13 @@ def _exact_policy_key(key) -> bool:
 
 
 def call_key(module, qkv_format, layers, interleave_dim, cus, max_seqlens, attn_mask_type, window_size,
-             pad_between_seqs, bottom_right_diagonal=None, per_seq=None, is_causal=None) -> Optional[tuple]:
+             pad_between_seqs, bottom_right_diagonal=None, per_seq=None, is_causal=None, fp8=None) -> Optional[tuple]:
     """Every host fact the full path's decisions read, or None if this call must take it.
 
     ``layers`` = (query, key, value, qkv_layer, kv_layer); ``cus`` = (cu_seqlens_q,
     cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded); ``max_seqlens`` = (q, kv);
-    ``per_seq`` / ``is_causal``: ``attn_mask_type_per_seq`` / ``thd_sequence_is_causal``."""
+    ``per_seq`` / ``is_causal``: ``attn_mask_type_per_seq`` / ``thd_sequence_is_causal``;
+    ``fp8``: the call's FP8 context (its mode decides selection)."""
     if compiling() or validation_enabled():
         return None
     if not _exact_window(window_size):
@@ -213,7 +216,7 @@ def call_key(module, qkv_format, layers, interleave_dim, cus, max_seqlens, attn_
                 module.num_attention_heads_per_partition, module.num_gqa_groups_per_partition, module.head_dims,
                 module.softmax_type, module.return_max_logit, sink is not None and sink.requires_grad)
     return (fmt, tuple(facts), interleave_dim, thd, attn_mask_type, window_size, bottom_right_diagonal, settings,
-            torch.is_grad_enabled(), env_snapshot())
+            torch.is_grad_enabled(), env_snapshot(), None if fp8 is None else fp8.key)
 
 
 def _exact_window(window) -> bool:

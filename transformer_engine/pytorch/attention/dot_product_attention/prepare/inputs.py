@@ -63,6 +63,8 @@ class AttentionInputs:
     # zigzag split) and THD metadata indexes the GLOBAL rows; 1 for an ordinary call. A record
     # with cp_size > 1 is run by the cp/ entry, never by a backend directly.
     cp_size: int = 1
+    # FP8 attention: the call's fp8.context.FP8Context (None: high precision).
+    fp8: Optional[Any] = None
 
     @property
     def is_thd(self) -> bool:
@@ -80,10 +82,11 @@ class AttentionInputs:
 
 
 # What differs between two calls that share a fast-path key (fast_path.call_key): their tensors
-# (the per-sequence policies hold one), and what the key does not cover (the module's
-# softmax_scale and its softmax_offset tensor, which .to() replaces; the num_splits hint).
-# Every other field is the same for both: the cached static half.
-PER_CALL_FIELDS = ("q", "k", "v", "packed_q", "packed_kv", "policies", "softmax_scale", "softmax_offset", "num_splits")
+# (the per-sequence policies hold one; so does the FP8 context), and what the key does not cover
+# (the module's softmax_scale and its softmax_offset tensor, which .to() replaces; the num_splits
+# hint). Every other field is the same for both: the cached static half.
+PER_CALL_FIELDS = ("q", "k", "v", "packed_q", "packed_kv", "policies", "softmax_scale", "softmax_offset", "num_splits",
+                   "fp8")
 STATIC_FIELDS = tuple(f.name for f in fields(AttentionInputs) if f.name not in PER_CALL_FIELDS)
 
 
@@ -92,7 +95,7 @@ def static_half(inp: AttentionInputs) -> Mapping[str, Any]:
 
 
 def assemble_inputs(static: Mapping[str, Any], q, k, v, packed_q, packed_kv, policies, softmax_scale,
-                    softmax_offset, num_splits: Optional[int] = None) -> AttentionInputs:
+                    softmax_offset, num_splits: Optional[int] = None, fp8=None) -> AttentionInputs:
     """A record from a cached :func:`static_half` and one call's values, for the fast path.
 
     The generated frozen ``__init__`` sets each of the ~20 fields through
@@ -105,4 +108,5 @@ def assemble_inputs(static: Mapping[str, Any], q, k, v, packed_q, packed_kv, pol
     state["q"], state["k"], state["v"], state["packed_q"], state["packed_kv"] = q, k, v, packed_q, packed_kv
     state["policies"] = policies
     state["softmax_scale"], state["softmax_offset"], state["num_splits"] = softmax_scale, softmax_offset, num_splits
+    state["fp8"] = fp8
     return inp

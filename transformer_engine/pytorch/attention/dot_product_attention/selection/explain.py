@@ -37,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--bias", default="no_bias", choices=["no_bias", "pre_scale_bias", "post_scale_bias", "alibi"])
     p.add_argument("--pad-between-seqs", action="store_true")
+    p.add_argument("--fp8", action="store_true", help="FP8 attention (a recipe with fp8_dpa=True)")
     p.add_argument("--assume-all-libraries", action="store_true", help="pretend every GPU library is installed")
     p.add_argument("--matrix", action="store_true", help="print the support matrix and exit")
     return p
@@ -61,6 +62,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         attention_dropout=args.dropout,
         core_attention_bias_type=args.bias,
         pad_between_seqs=args.pad_between_seqs,
+        fp8=args.fp8,
     )
     libs = TESTED_LIBRARIES if args.assume_all_libraries else installed_libraries()
     selection = get_attention_backend(params, libs)

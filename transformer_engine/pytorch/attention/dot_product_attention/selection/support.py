@@ -13,7 +13,7 @@ from typing import ClassVar, FrozenSet, List, Optional, Tuple
 import torch
 
 from ....tensor import QuantizedTensor
-from ..environment import backend_switch_on
+from ..environment import FP8_EMULATE, backend_switch_on
 from .libraries import LIBRARY_INSTALLS, InstalledLibraries
 from ..masks import AttnMaskType
 from .params import AttentionParams
@@ -23,6 +23,9 @@ ALL_FLOAT = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat
 PACKAGES = {field: install.package for field, install in LIBRARY_INSTALLS.items()}
 NON_ARBITRARY_MASKS = frozenset(m for m in AttnMaskType if m is not AttnMaskType.ARBITRARY)
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+# FP8 attention (AttentionParams.fp8): "no", or "emulated" (the unfused backend's emulation of the
+# FP8 kernels, run under TE's NVTE_UnfusedDPA_Emulate_FP8=1).
+FP8_SUPPORT_KINDS = ("no", "emulated")
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class BackendSupport:
     # Context parallelism: the comm types this backend runs. a2a calls the backend's ordinary
     # run on the whole sequences after the all-to-all, so every backend; the others need KERNEL.
     CP_COMM_TYPES: ClassVar[FrozenSet[str]] = frozenset({"a2a"})
+    FP8_SUPPORT: ClassVar[str] = "no"  # one of FP8_SUPPORT_KINDS; NOTES["fp8"] says why not
     NOTES: ClassVar[dict] = {}
 
     @classmethod
@@ -184,11 +188,21 @@ class BackendSupport:
             out.append(Reason("return_max_logit", "True", "False"))
         if params.kv_cache and not cls.SUPPORTS_KV_CACHE:
             out.append(Reason("inference_params", "given (KV caching)", "None (KV caching is not implemented yet)"))
-        if params.fp8:
-            out.append(Reason("fp8", "True", "False (FP8 attention is not implemented)"))
+        out.extend(cls._fp8_reasons(params))
         if params.context_parallel and params.cp_comm_type not in cls.CP_COMM_TYPES:
             out.append(Reason("cp_comm_type", str(params.cp_comm_type), _fmt(cls.CP_COMM_TYPES) + " (context parallelism)"))
         return out
+
+    @classmethod
+    def _fp8_reasons(cls, params):
+        if not params.fp8:
+            return []
+        if cls.FP8_SUPPORT == "no":
+            return [Reason("fp8", "True", "False")]
+        if FP8_EMULATE.get("0") != "1":
+            return [Reason(FP8_EMULATE.name, FP8_EMULATE.get("") or "unset",
+                           "1 (this backend runs FP8 attention as an emulation of the FP8 kernels, only when asked to)")]
+        return []
 
     @classmethod
     def _check_special(cls, params, libs):
@@ -220,6 +234,7 @@ class BackendSupport:
             "softmax_type": ", ".join(t for t in SOFTMAX_TYPES if t in cls.SUPPORTED_SOFTMAX_TYPES),
             "return_max_logit": yes(cls.SUPPORTS_RETURN_MAX_LOGIT),
             "num_splits": ", ".join(f"sm{m}x" for m in sorted(cls.NUM_SPLITS_MAJORS)) or "ignored",
+            "fp8": cls.FP8_SUPPORT,
         }
 
 
