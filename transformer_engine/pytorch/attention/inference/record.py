@@ -58,6 +58,11 @@ class KVCacheStep(NamedTuple):
         return self.page_table is not None
 
     @property
+    def page_size(self) -> Optional[int]:
+        """Tokens per page of a paged cache (the pools' second dim); None when not paged."""
+        return self.k_cache.shape[1] if self.is_paged else None
+
+    @property
     def output_qkv_format(self) -> str:
         """TE's name for the input/cache format pair: bshd, sbhd_2bshd or thd_2bshd."""
         return "bshd" if self.qkv_format == "bshd" else f"{self.qkv_format}_2bshd"
