@@ -246,7 +246,9 @@ class MultiheadAttention(torch.nn.Module):
         Returns the output, then the projection bias if ``return_bias``, then the layernorm
         output if ``return_layernorm_output``, as TE does. ``attn_mask_type`` / ``window_size``
         default to the module's. Extra keywords (``attn_mask_type_per_seq``,
-        ``thd_sequence_is_causal``) go to DotProductAttention."""
+        ``thd_sequence_is_causal``) go to DotProductAttention. With ``inference_params`` the
+        layer's KV cache is made on first use (TE's ``allocate_memory(layer_number)``) and rotary
+        embeddings put each new token at its position in its sequence."""
         first = getattr(self, self._input_projection)
         self._check_input("hidden_states", hidden_states, first)
         if self.attention_type == "cross":

@@ -147,6 +147,10 @@ class DotProductAttention(torch.nn.Module):
         ``attn_mask_type_per_seq`` / ``thd_sequence_is_causal`` give each packed sequence its own
         mask policy (THD only); see :mod:`.per_seq_policy`.
 
+        ``inference_params`` (TE's ``InferenceParams``): the step's K/V are appended to this
+        layer's cache (``layer_number``) and the queries attend over everything cached, with the
+        lengths of the last ``pre_step``; see :mod:`.prepare.kv_cache`.
+
         ``_packed_seqs`` is private (not TE's): both THD sides as :func:`.thd.prepare_sides`
         returned them for this call's cu_seqlens, max_seqlens and pad_between_seqs
         (MultiheadAttention's rotary path has built them already); not read under context

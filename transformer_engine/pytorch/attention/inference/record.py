@@ -48,6 +48,10 @@ class KVCacheStep(NamedTuple):
     max_seqlen_q: int
     max_seqlen_kv: int
     qkv_format: str  # the format of the step's inputs: bshd, sbhd or thd
+    # Every query row of queries_as_thd holds one of the step's tokens (no padding, no batch rows
+    # past the batch, no thd tail): a host fact of pre_step, so kernels that leave unowned rows
+    # unwritten may skip zeroing them. Not for a CUDA graph: it replays as the batch changes.
+    rows_all_valid: bool = False
 
     @property
     def batch_size(self) -> int:

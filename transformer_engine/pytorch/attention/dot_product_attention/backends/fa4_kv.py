@@ -22,6 +22,7 @@ import torch
 from ..prepare.inputs import AttentionInputs
 from . import kernel_ops
 from .flash_common import fa_mask_args
+from .kv_rows import kv_output_rows, zero_unowned_rows
 
 _INTERFACE = "flash_attn.cute.interface"
 
@@ -67,10 +68,9 @@ kernel_ops.register("fa4_kv_fwd", fa4_kv_fwd, ("out",), _fa4_kv_fwd_fake)
 
 def run_fa4_kv_cache(inp: AttentionInputs) -> torch.Tensor:
     """The KV call's output rows [rows, H, Dv] (rows no sequence owns 0)."""
-    step = inp.kv_cache
-    q = inp.q
-    out = q.new_empty(*q.shape[:-1], inp.v.shape[-1])
+    step, q = inp.kv_cache, inp.q
+    out = kv_output_rows(inp)
     kernel_ops.ops.fa4_kv_fwd(q, step.k_cache, step.v_cache, out, step.page_table, step.cu_seqlens_q_padded, step.seqlens_q,
                               step.seqlens_kv, step.max_seqlen_q, step.max_seqlen_kv, inp.softmax_scale, *fa_mask_args(inp.mask))
-    kernel_ops.ops.zero_gap_rows(out, step.cu_seqlens_q, step.cu_seqlens_q_padded, -1)
+    zero_unowned_rows(out, inp)
     return out

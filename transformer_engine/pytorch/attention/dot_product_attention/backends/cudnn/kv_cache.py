@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from .. import kernel_ops
+from ..kv_rows import kv_output_rows, zero_unowned_rows
 from ...prepare.inputs import AttentionInputs
 from . import graphs
 from .graphs import UID
@@ -98,7 +99,7 @@ kernel_ops.register("cudnn_paged_fwd", cudnn_paged_fwd, ("out",), _cudnn_paged_f
 def run_cudnn_kv_cache(inp: AttentionInputs) -> torch.Tensor:
     """The KV call's output rows [rows, H, Dv] (rows no sequence owns 0)."""
     step, q, spec = inp.kv_cache, inp.q, inp.mask
-    out = q.new_empty(*q.shape[:-1], inp.v.shape[-1])
+    out = kv_output_rows(inp)
     causal = spec.mask_type.is_causal
     left, right = spec.window
     bottom_right = spec.mask_type.bottom_right and spec.has_band
@@ -112,5 +113,5 @@ def run_cudnn_kv_cache(inp: AttentionInputs) -> torch.Tensor:
     else:
         kernel_ops.ops.cudnn_fwd(q, inp.k, inp.v, out, step.cu_seqlens_q_padded, step.cu_seqlens_kv_padded, step.seqlens_q,
                                  step.seqlens_kv, b, sq, step.max_seqlen_kv, inp.softmax_scale, causal, left, right, bottom_right)
-    kernel_ops.ops.zero_gap_rows(out, step.cu_seqlens_q, step.cu_seqlens_q_padded, -1)
+    zero_unowned_rows(out, inp)
     return out
