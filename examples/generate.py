@@ -110,7 +110,11 @@ class Report:
     finished: Dict[int, Request] = field(default_factory=dict)
 
     def check(self, model: TinyLM, req: Request, logits: torch.Tensor, tie: float) -> None:
-        full = model(torch.tensor([req.tokens], device=logits.device))[0, -1].double()
+        # Padded to a multiple of 32 tokens (causal: the padding cannot reach the last real one),
+        # so the recomputation meets few shapes (each new one builds a cuDNN graph).
+        n = len(req.tokens)
+        tokens = torch.tensor([req.tokens + [0] * (-n % 32)], device=logits.device)
+        full = model(tokens)[0, n - 1].double()
         logits = logits.double()
         self.max_logit_diff = max(self.max_logit_diff, float((full - logits).abs().max()))
         top2 = full.topk(2).values
@@ -135,10 +139,12 @@ class StepRunner:
     def step(self, rows: Sequence[List[int]], report: Report) -> torch.Tensor:
         """``rows``: each batch row's new tokens -> [B, vocab] logits of each row's last one."""
         if not (self.s.cuda_graph and all(len(r) == 1 for r in rows)):
+            # Two shapes only, [batch, 1] and [batch, prompt] (rows past the step's sequences and
+            # tokens past each one's step are padding): each new shape costs a cuDNN graph build.
             report.eager_steps += 1
-            width = max(len(r) for r in rows)
-            tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=self.s.device)
-            logits = self.model(tokens, self.params)
+            width = 1 if all(len(r) == 1 for r in rows) else self.s.prompt
+            padded = [r + [0] * (width - len(r)) for r in rows] + [[0] * width] * (self.s.batch - len(rows))
+            logits = self.model(torch.tensor(padded, device=self.s.device), self.params)
             return logits[torch.arange(len(rows)), torch.tensor([len(r) - 1 for r in rows])]
         self.tokens.zero_()
         self.tokens[: len(rows), 0] = torch.tensor([r[0] for r in rows], device=self.s.device)
