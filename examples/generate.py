@@ -71,9 +71,9 @@ class TinyLM(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(s.hidden, **factory)
         self.head = torch.nn.Linear(s.hidden, s.vocab, bias=False, **factory)
         torch.nn.init.normal_(self.head.weight, std=4.0 / s.hidden ** 0.5)  # logits far apart: few ties
-        d = s.hidden // s.heads
-        angles = torch.arange(s.max_len, dtype=torch.float64)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
-        self.register_buffer("rope", torch.cat([angles, angles], -1).view(s.max_len, 1, 1, d).float().to(s.device))
+        d, positions = s.hidden // s.heads, -(-s.max_len // 32) * 32  # Report.check pads to multiples of 32
+        angles = torch.arange(positions, dtype=torch.float64)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
+        self.register_buffer("rope", torch.cat([angles, angles], -1).view(positions, 1, 1, d).float().to(s.device))
 
     def forward(self, tokens: torch.Tensor, inference_params: Optional[te.InferenceParams] = None) -> torch.Tensor:
         """tokens [B, S] -> logits [B, S, vocab]: over the cache with ``inference_params`` (the
