@@ -21,6 +21,7 @@ import contextlib
 import importlib.util
 import random
 import sys
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,24 @@ def test_non_paged_cache_matches_the_oracle(fmt, label):
 @pytest.mark.parametrize("mask,window", [("padding", None), ("padding_causal", (24, 0)), ("padding", (24, 8))])
 def test_masks_and_windows_over_the_cache(label, paged, mask, window):
     run_schedule(label, gpu_config("bshd", paged, 64, mask, window), steps=6)
+
+
+def test_the_unfused_cache_path_keeps_its_precision_inside_autocast():
+    """As the unfused math: an autocast region does not lower the reference's float32 (the same
+    call inside and outside one gives the same bits)."""
+    cfg = gpu_config("bshd", True, 16)
+    outs = []
+    for autocast in (False, True):
+        params = cfg.params(dtype=torch.float32)
+        params.allocate_memory(1)
+        params.pre_step(OrderedDict([(0, 7), (1, 3)]))
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(2, 7, h, cfg.d, generator=gen, device="cuda") for h in (cfg.heads, cfg.hkv, cfg.hkv))
+        dpa = DotProductAttention(cfg.heads, cfg.d, num_gqa_groups=cfg.hkv, qkv_format="bshd", attn_mask_type="padding_causal",
+                                  layer_number=1)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            outs.append(run_on("unfused", dpa, q, k, v, inference_params=params))
+    assert outs[1].dtype == torch.float32 and torch.equal(outs[0], outs[1])
 
 
 # ------------------------------------------------------------------ CUDA graphs: the example's decode loop

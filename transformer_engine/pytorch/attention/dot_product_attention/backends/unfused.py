@@ -60,6 +60,7 @@ class UnfusedDotProductAttention(BackendSupport):
         query = inp.q
         if step.qkv_format != "thd":  # the rows of a bshd/sbhd step are a [B, Sq] bshd batch
             query, step = inp.q.reshape(step.batch_size, step.max_seqlen_q, *inp.q.shape[1:]), step._replace(qkv_format="bshd")
-        out = attention_over_cache(query, step, attn_mask_type=inp.mask.mask_type.value, window_size=inp.mask.window,
-                                   softmax_scale=inp.softmax_scale)
+        with torch.autocast(query.device.type, enabled=False):  # float32/float64 inside autocast too, as unfused_math
+            out = attention_over_cache(query, step, attn_mask_type=inp.mask.mask_type.value, window_size=inp.mask.window,
+                                       softmax_scale=inp.softmax_scale)
         return out if step.qkv_format == "thd" else out.flatten(0, 1)
