@@ -27,10 +27,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.pytorch import DotProductAttention, InferenceParams, MultiheadAttention
 from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa_module
 from transformer_engine.pytorch.attention.dot_product_attention.selection.backend_selection import NoBackendError
 
+from .gpu_helpers import env
 from .kv_schedules import LAYERS, Config, Packing, Picker, Simulation, check_output, configs, no_host_reads, pack, poison, starts
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -236,6 +239,8 @@ KV_CALL_ERRORS = [
     ("alibi", dict(core_attention_bias_type="alibi"), NotImplementedError, r"core_attention_bias_type is not supported"),
     ("diagonal", dict(bottom_right_diagonal=False), NotImplementedError,
      r"bottom_right_diagonal is not supported with inference_params \(KV caching\); accepted: None or True"),
+    ("fp8", dict(fp8=True), NotImplementedError,
+     r"FP8 attention \(an FP8 autocast region with fp8_dpa=True\) is not supported with inference_params"),
     ("layer", dict(module=DotProductAttention(2, 4, num_gqa_groups=1, qkv_format="bshd", attn_mask_type="padding_causal")),
      ValueError, r"layer_number is None; KV caching keeps one cache per layer"),
 ]
@@ -243,10 +248,13 @@ KV_CALL_ERRORS = [
 
 @pytest.mark.parametrize("call,exc,message", [c[1:] for c in KV_CALL_ERRORS], ids=[c[0] for c in KV_CALL_ERRORS])
 def test_bad_kv_calls_are_named_and_append_nothing(call, exc, message):
+    fp8 = call.pop("fp8", False)
     params, run = _one_step_call(**call)
     before = params.cache_manager.cache[1][0].clone()
-    with torch.no_grad(), pytest.raises(exc, match=f"^{message}"):
-        run()
+    with torch.no_grad(), env(NVTE_UnfusedDPA_Emulate_FP8="1") if fp8 else contextlib.nullcontext():
+        region = te.autocast(recipe=DelayedScaling(fp8_dpa=True)) if fp8 else contextlib.nullcontext()
+        with region, pytest.raises(exc, match=f"^{message}"):
+            run()
     assert torch.equal(params.cache_manager.cache[1][0], before)
 
 

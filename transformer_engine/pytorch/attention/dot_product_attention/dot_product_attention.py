@@ -165,7 +165,7 @@ class DotProductAttention(torch.nn.Module):
             reject_with_kv_cache(inference_params, self.cp_config.size if self.cp_group is not None else 1,
                                  attention_mask=attention_mask, bias_type=core_attention_bias_type, bias=core_attention_bias,
                                  alibi_slopes=alibi_slopes, per_seq=attn_mask_type_per_seq, is_causal=thd_sequence_is_causal,
-                                 bottom_right_diagonal=bottom_right_diagonal)
+                                 bottom_right_diagonal=bottom_right_diagonal, fp8=fp8 is not None)
             return self._forward_kv_cache(inference_params, layers, qkv_interleave_dim, qkv_format, attn_mask_type, window_size)
         cus = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
         max_seqlens = (max_seqlen_q, max_seqlen_kv)

@@ -35,7 +35,7 @@ from ...inference import InferenceParams, KVCacheStep, inference_attn_mask_type
 
 
 def reject_with_kv_cache(inference_params: Any, cp_size: int, *, attention_mask, bias_type: str, bias, alibi_slopes,
-                         per_seq, is_causal, bottom_right_diagonal: Optional[bool]) -> None:
+                         per_seq, is_causal, bottom_right_diagonal: Optional[bool], fp8: bool = False) -> None:
     """What a KV call does not take, each named (host facts only; run on every call)."""
     if not isinstance(inference_params, InferenceParams):
         raise TypeError(f"inference_params must be an InferenceParams; got {type(inference_params).__name__}")
@@ -46,6 +46,7 @@ def reject_with_kv_cache(inference_params: Any, cp_size: int, *, attention_mask,
         ("attn_mask_type_per_seq / thd_sequence_is_causal", per_seq is not None or is_causal is not None, "None"),
         ("bottom_right_diagonal", bottom_right_diagonal is False, "None or True (causal masks over a cache align bottom-right)"),
         ("cp_group", cp_size > 1, "no context parallelism (or a group of one rank)"),
+        ("FP8 attention (an FP8 autocast region with fp8_dpa=True)", fp8, "attention in bf16/fp16 (fp8_dpa=False)"),
     )
     for name, given, accepted in refused:
         if given:
