@@ -259,8 +259,8 @@ def test_bad_kv_calls_are_named_and_append_nothing(call, exc, message):
 
 
 REFUSED = [
-    ("gradients", {}, True, r"requires_grad=True with inference_params \(q/k/v need gradients\) \(supported: False: "
-                            r"attention over a KV cache runs forward only"),
+    ("gradients", {}, True, r"requires_grad=True with inference_params \(q/k/v need gradients in training mode\) "
+                            r"\(supported: False: attention over a KV cache runs forward only"),
     ("sinks", dict(softmax_type="learnable"), False, r"softmax_type='learnable' with inference_params \(supported: 'vanilla'"),
     ("dropout", dict(attention_dropout=0.1), False, r"attention_dropout=0.1 with inference_params \(supported: 0.0, or eval mode"),
 ]
@@ -289,6 +289,21 @@ def test_grad_mode_alone_does_not_refuse():
     """Inputs that need no gradient run with grad mode on (as TE's inference loops do)."""
     params, run = _one_step_call()
     assert not run().requires_grad
+
+
+def test_in_eval_mode_a_step_runs_as_inference_and_the_cache_keeps_no_graph():
+    """Grad mode on and inputs that require grad (TE's generation loops call so), module in eval
+    mode: the step runs without gradients; nothing of autograd reaches the cache."""
+    cfg, params, sim = _decode_setup()
+    module = make_dpa(cfg, 1).eval()
+    step_dict = OrderedDict([(0, 3), (1, 2)])
+    params.pre_step(step_dict)
+    sim.apply(step_dict)
+    q, k, v = (t.requires_grad_() for t in step_inputs(sim, step_dict, 1, Packing(0, 0, 0)))
+    out = module(q, k, v, inference_params=params)
+    assert not out.requires_grad
+    assert all(c.grad_fn is None and not c.requires_grad for c in params.cache_manager.cache[1])
+    check_output(out.detach().view(*out.shape[:-1], cfg.heads, cfg.dv), sim, 1, step_dict)
 
 
 # --- the example --------------------------------------------------------------------------------

@@ -258,8 +258,9 @@ class DotProductAttention(torch.nn.Module):
             remember(self._recipes, key, recipe)
         else:
             object.__setattr__(self, "last_selection", recipe.selection)
-        inp = recipe.inputs(self, inference_params, layers)
-        return _flatten(kv_output(inp, recipe.backend.run_kv_cache(inp)), recipe.qkv_format)
+        with torch.no_grad():  # forward only (selection refused gradients in training mode)
+            inp = recipe.inputs(self, inference_params, layers)
+            return _flatten(kv_output(inp, recipe.backend.run_kv_cache(inp)), recipe.qkv_format)
 
     def _dropout_rng(self):
         if self.get_rng_state_tracker is None or self.sequence_parallel or not (self.training and self.attention_dropout > 0):

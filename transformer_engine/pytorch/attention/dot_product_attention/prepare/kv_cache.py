@@ -72,7 +72,12 @@ def kv_selection_params(module: Any, inference_params: InferenceParams, q: torch
                         v: torch.Tensor, qkv_format: str, spec: MaskSpec) -> AttentionParams:
     """The host facts of a KV call, describing what the backend runs: the step's queries as a
     THD call (B sequences of at most Sq rows) over a cache of max_sequence_length tokens per
-    sequence, paged (``kv_page_size``) or with padding between the sequences' slots."""
+    sequence, paged (``kv_page_size``) or with padding between the sequences' slots.
+
+    Gradients are wanted (``requires_grad``, refused by every backend) only in training mode: a
+    module in eval mode runs the step as inference, without gradients, even where grad mode is
+    on and the inputs require grad (TE's generation loops run so; TE's cache takes no gradient
+    either)."""
     device = q.device
     cc = compute_capability(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else None
     batch, max_q = _step_sizes(inference_params, q, qkv_format)
@@ -83,7 +88,7 @@ def kv_selection_params(module: Any, inference_params: InferenceParams, q: torch
         max_seqlen_kv=inference_params.max_sequence_length, head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1],
         attn_mask_type=spec.mask_type, window_size=spec.window, attention_dropout=module.attention_dropout,
         pad_between_seqs=not paged, shared_cu_seqlens=False, is_training=module.training,
-        requires_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+        requires_grad=module.training and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
         softmax_type=module.softmax_type, return_max_logit=module.return_max_logit, kv_cache=True,
         kv_page_size=inference_params.page_size if paged else None,
     )
@@ -131,7 +136,8 @@ class KVRecipe:
         return query, key, value
 
     def inputs(self, module: Any, inference_params: InferenceParams, layers) -> AttentionInputs:
-        """Append the step's K/V to the layer's cache and return the call's record."""
+        """Append the step's K/V to the layer's cache and return the call's record (the caller
+        runs both without autograd: the cache must not keep a graph across steps)."""
         q, k, v = self.qkv(layers)
         step = inference_params.step(module.layer_number, k, v, self.qkv_format)
         return kv_record(module, q, step, self.spec)

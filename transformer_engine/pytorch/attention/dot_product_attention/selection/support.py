@@ -221,8 +221,9 @@ class BackendSupport:
             return []
         out = []
         if params.requires_grad:
-            out.append(Reason("requires_grad", "True with inference_params (q/k/v need gradients)",
-                              "False: attention over a KV cache runs forward only (torch.no_grad() or torch.inference_mode())"))
+            out.append(Reason("requires_grad", "True with inference_params (q/k/v need gradients in training mode)",
+                              "False: attention over a KV cache runs forward only (torch.no_grad(), torch.inference_mode() "
+                              "or the module in eval mode)"))
         for field, unsupported, seen, allowed in (
             ("softmax_type", params.softmax_type != "vanilla", repr(params.softmax_type), "'vanilla'"),
             ("return_max_logit", params.return_max_logit, "True", "False"),
