@@ -65,6 +65,9 @@ run_file test_gpu_cp_sync_free.py
 run_file test_te_matrix.py
 run_file test_thd_properties.py
 run_file test_kv_cache.py
+run_file test_kv_cache_modules.py
+run_file test_kv_cache_backends.py
+run_file test_gpu_kv_cache.py
 run_file test_hardening.py
 run_file test_structure.py
 run_file test_install.py

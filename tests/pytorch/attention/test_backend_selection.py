@@ -303,7 +303,8 @@ def test_te_only_fields_reach_the_reasons():
     assert "qkv_type=Float8Tensor (supported: torch.Tensor" in "; ".join(map(str, selection.reasons_for("UnfusedDotProductAttention")))
     kv = AttentionParams(qkv_layout="bshd_bshd_bshd", inference_params=object())
     assert kv.kv_cache is True and kv == replace(kv, inference_params=object())  # folded; the object is not compared
-    assert "inference_params=given (KV caching)" in "; ".join(map(str, get_attention_backend(kv, ALL).reasons_for("FusedAttention")))
+    assert "inference_params=given (KV caching)" in "; ".join(map(str, get_attention_backend(kv, ALL).reasons_for("FlashAttention v3")))
+    assert "requires_grad=True with inference_params" in "; ".join(map(str, get_attention_backend(kv, ALL).reasons_for("FusedAttention")))
     assert AttentionParams(context_parallel=True).cp_comm_type == "p2p"  # TE's default
     assert AttentionParams(alibi_slopes_shape=[16], compute_capability=[9, 0]).alibi_slopes_shape == (16,)
 

@@ -436,7 +436,7 @@ def test_fp8_mha_and_fp8_output_are_refused_by_name():
     q, k, v = bshd(8)
     with te.autocast(recipe=delayed(fp8_mha=True)), pytest.raises(NotImplementedError, match=r"DelayedScaling\(fp8_mha=True\) is not implemented: FP8 multi-head attention"):
         dpa(q, k, v)
-    with te.autocast(recipe=delayed()), pytest.raises(NotImplementedError, match="fp8_output are not implemented"):
+    with te.autocast(recipe=delayed()), pytest.raises(NotImplementedError, match="^fp8_output is not implemented; pass False"):
         dpa(q, k, v, fp8_output=True)
 
 

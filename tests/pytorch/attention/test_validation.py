@@ -159,9 +159,9 @@ def test_arbitrary_with_thd():
         DotProductAttention(H, D, qkv_format="thd", attn_mask_type="arbitrary")(p.q, p.k, p.v, cu_seqlens_q=p.cu_q, cu_seqlens_kv=p.cu_kv)
 
 
-def test_inference_params_not_implemented():
+def test_inference_params_must_be_an_inference_params():
     q, k, v = dense()
-    with pytest.raises(NotImplementedError, match="inference_params"):
+    with pytest.raises(TypeError, match="^inference_params must be an InferenceParams; got object"):
         DotProductAttention(H, D, qkv_format="bshd")(q, k, v, inference_params=object())
 
 

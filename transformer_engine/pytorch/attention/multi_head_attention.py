@@ -48,7 +48,8 @@ import torch
 from .dot_product_attention import DotProductAttention
 from .projections import Projection
 from .tensor_parallel import enter_column_parallel, leave_row_parallel, per_partition, tp_world_size
-from .rotary import rotate_packed
+from .inference import InferenceParams
+from .rotary import rotate_cached_step, rotate_packed
 
 _INPUT_LAYOUTS = {"sbhd": (3, "[s, b, hidden={}]"), "bshd": (3, "[b, s, hidden={}]"), "thd": (2, "[t, hidden={}]")}
 
@@ -245,13 +246,17 @@ class MultiheadAttention(torch.nn.Module):
         Returns the output, then the projection bias if ``return_bias``, then the layernorm
         output if ``return_layernorm_output``, as TE does. ``attn_mask_type`` / ``window_size``
         default to the module's. Extra keywords (``attn_mask_type_per_seq``,
-        ``thd_sequence_is_causal``) go to DotProductAttention."""
+        ``thd_sequence_is_causal``) go to DotProductAttention. With ``inference_params`` the
+        layer's KV cache is made on first use (TE's ``allocate_memory(layer_number)``) and rotary
+        embeddings put each new token at its position in its sequence."""
         first = getattr(self, self._input_projection)
         self._check_input("hidden_states", hidden_states, first)
         if self.attention_type == "cross":
             if encoder_output is None:
                 raise ValueError("attention_type='cross' needs encoder_output; got None")
             self._check_input("encoder_output", encoder_output, self.key_value)
+        if inference_params is not None:
+            self._allocate_kv_cache(inference_params)
         ln_out = first.normalize(hidden_states)
         x, enc = ln_out, encoder_output
         if self.set_parallel_mode:
@@ -259,7 +264,9 @@ class MultiheadAttention(torch.nn.Module):
             if enc is not None:
                 enc = enter_column_parallel(enc, self.tp_group, self.sequence_parallel)
         packed = self._project(first, x, enc)
-        if rotary_pos_emb is not None:
+        if rotary_pos_emb is not None and inference_params is not None:
+            packed = rotate_cached_step(packed, rotary_pos_emb, self.qkv_format, inference_params)
+        elif rotary_pos_emb is not None:
             cus = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
             packed = rotate_packed(packed, rotary_pos_emb, self.qkv_format, (self.cp_size, self.cp_rank), cus,
                                    (max_seqlen_q, max_seqlen_kv), pad_between_seqs)
@@ -287,6 +294,16 @@ class MultiheadAttention(torch.nn.Module):
         """Context parallelism for the core attention (TE's method); inputs are then each rank's
         share of the sequence, see DotProductAttention."""
         self.core_attention.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
+    def _allocate_kv_cache(self, inference_params: Any) -> None:
+        """This layer's KV cache, made on first use (TE's ``allocate_memory(layer_number)``)."""
+        if not isinstance(inference_params, InferenceParams):
+            raise TypeError(f"inference_params must be an InferenceParams; got {type(inference_params).__name__}")
+        if self.attention_type == "cross":
+            raise NotImplementedError("inference_params with attention_type='cross' is not implemented (a KV cache "
+                                      "holds self-attention's keys and values); accepted: attention_type='self'")
+        if self.layer_number not in inference_params.cache_manager.cache:
+            inference_params.allocate_memory(self.layer_number)
 
     def _check_input(self, name: str, t: Any, projection: Projection) -> None:
         """What the projections need, named (host facts only: no sync); torch's own errors say

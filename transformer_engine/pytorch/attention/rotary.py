@@ -10,6 +10,7 @@ import torch
 
 from .dot_product_attention.cp.partition import dense_positions, positions_of_local_rows
 from .dot_product_attention.prepare.packed_seqs import PackedSeqs, prepare_sides, value_checks_on
+from .inference.append import token_positions
 
 
 def rotate_packed(packed: dict, rope, fmt: str, cp: Tuple[int, int], cus, max_seqlens, pad_between) -> dict:
@@ -38,6 +39,19 @@ def rotate_packed(packed: dict, rope, fmt: str, cp: Tuple[int, int], cus, max_se
     out.update(query_layer=apply_rotary_pos_emb(q, q_freqs, fmt, q_pos),
                key_layer=apply_rotary_pos_emb(k, k_freqs, fmt, k_pos), value_layer=v)
     return out
+
+
+def rotate_cached_step(packed: dict, rope, fmt: str, inference_params) -> dict:
+    """DotProductAttention's q/k/v keywords with q and k rotated for a KV-cache step: each new
+    token at its position in its sequence, the sequence's cached length before the step plus
+    its index in the step (TE's ``start_positions=inference_params.get_seqlens_pre_step()``),
+    from the step's device lengths (no host sync; CUDA graphs replay it as lengths change)."""
+    q, k, v = split_packed(packed)
+    q_freqs, k_freqs = rope if isinstance(rope, tuple) else (rope, rope)
+    lead = q.shape[:-2]
+    positions = token_positions(inference_params.cu_seqlens_q, inference_params.cu_seqlens_kv, fmt, lead).pos.view(lead)
+    return dict(query_layer=apply_rotary_pos_emb(q, q_freqs, fmt, positions),
+                key_layer=apply_rotary_pos_emb(k, k_freqs, fmt, positions), value_layer=v)
 
 
 def _thd_cp_positions(q: torch.Tensor, k: torch.Tensor, cus, pad_between, cp: Tuple[int, int]):
@@ -92,9 +106,11 @@ def _bounded_positions(positions: torch.Tensor, available: int) -> torch.Tensor:
 
 
 def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, fmt: str, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Rotate-half RoPE on the first ``freqs.shape[-1]`` channels; ``freqs`` is [S, 1, 1, R]."""
-    if fmt == "thd":
-        f = freqs[_bounded_positions(positions, freqs.shape[0])].view(t.shape[0], 1, -1)
+    """Rotate-half RoPE on the first ``freqs.shape[-1]`` channels; ``freqs`` is [S, 1, 1, R].
+    ``positions`` (``t.shape[:-2]``; required for thd): each token's position, else the
+    positions of the sequence dim."""
+    if positions is not None:
+        f = freqs[_bounded_positions(positions, freqs.shape[0])].view(*t.shape[:-2], 1, -1)
     elif fmt == "sbhd":
         f = freqs[: t.shape[0]]
     else:

@@ -7,6 +7,7 @@ for a backend and runs it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Any, Mapping, Optional, Tuple, Union
 
@@ -24,6 +25,7 @@ from .masks import AttnMaskType, normalize_window
 from .prepare.packed_qkv import resolve_qkv
 from .selection.params import AttentionParams, params_key
 from .prepare.call import PackedSides, prepare, selection_params
+from .prepare.kv_cache import kv_call_key, kv_output, prepare_kv_call, reject_with_kv_cache
 from .selection.support import SOFTMAX_TYPES
 from .selection.backend_selection import BACKENDS_BY_LABEL, chosen_backend_label, require_backend
 from .prepare.validation import check_format, check_kv_channels, check_num_splits, check_softmax_scale
@@ -145,16 +147,26 @@ class DotProductAttention(torch.nn.Module):
         ``attn_mask_type_per_seq`` / ``thd_sequence_is_causal`` give each packed sequence its own
         mask policy (THD only); see :mod:`.per_seq_policy`.
 
+        ``inference_params`` (TE's ``InferenceParams``): the step's K/V are appended to this
+        layer's cache (``layer_number``) and the queries attend over everything cached, with the
+        lengths of the last ``pre_step``; see :mod:`.prepare.kv_cache`.
+
         ``_packed_seqs`` is private (not TE's): both THD sides as :func:`.thd.prepare_sides`
         returned them for this call's cu_seqlens, max_seqlens and pad_between_seqs
         (MultiheadAttention's rotary path has built them already); not read under context
         parallelism, which prepares the global metadata itself.
         """
-        if inference_params is not None or fp8_output:
-            raise NotImplementedError("inference_params (KV caching) and fp8_output are not implemented; pass None / False")
+        if fp8_output:
+            raise NotImplementedError("fp8_output is not implemented; pass False")
         check_num_splits(num_splits)
         fp8 = fp8_call_context(self, (query_layer, qkv_layer))  # None unless an FP8 region asks for FP8 attention
         layers = (query_layer, key_layer, value_layer, qkv_layer, kv_layer)
+        if inference_params is not None:
+            reject_with_kv_cache(inference_params, self.cp_config.size if self.cp_group is not None else 1,
+                                 attention_mask=attention_mask, bias_type=core_attention_bias_type, bias=core_attention_bias,
+                                 alibi_slopes=alibi_slopes, per_seq=attn_mask_type_per_seq, is_causal=thd_sequence_is_causal,
+                                 bottom_right_diagonal=bottom_right_diagonal, fp8=fp8 is not None)
+            return self._forward_kv_cache(inference_params, layers, qkv_interleave_dim, qkv_format, attn_mask_type, window_size)
         cus = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
         max_seqlens = (max_seqlen_q, max_seqlen_kv)
         cp = self.cp_config if self.cp_group is not None else None  # the common case reads one attribute
@@ -232,6 +244,23 @@ class DotProductAttention(torch.nn.Module):
         backend = self._select(selection_params(self, inp, fmt, qkv.layout, context_parallel=True, cp_comm_type=cp.comm_type))
         with self._dropout_rng():
             return _flatten(run_cp(cp_form, backend, self.training, checkpoint), fmt)
+
+    def _forward_kv_cache(self, inference_params, layers, interleave_dim: int, qkv_format: Optional[str],
+                          attn_mask_type: Optional[str], window_size) -> torch.Tensor:
+        """Attention over this layer's KV cache (TE's ``inference_params``; see
+        :mod:`.prepare.kv_cache`). A repeated step reuses the first one's checks and selection."""
+        key = kv_call_key(self, inference_params, layers, interleave_dim, qkv_format, attn_mask_type, window_size)
+        recipe = lookup(self._recipes, key) if key is not None else None
+        if recipe is None:
+            recipe, params = prepare_kv_call(self, inference_params, layers, interleave_dim, qkv_format, attn_mask_type, window_size)
+            backend = self._select(params)  # raises before anything is appended when no backend runs the call
+            recipe = dataclasses.replace(recipe, backend=backend, selection=None if compiling() else self.last_selection)
+            remember(self._recipes, key, recipe)
+        else:
+            object.__setattr__(self, "last_selection", recipe.selection)
+        with torch.no_grad():  # forward only (selection refused gradients in training mode)
+            inp = recipe.inputs(self, inference_params, layers)
+            return _flatten(kv_output(inp, recipe.backend.run_kv_cache(inp)), recipe.qkv_format)
 
     def _dropout_rng(self):
         if self.get_rng_state_tracker is None or self.sequence_parallel or not (self.training and self.attention_dropout > 0):

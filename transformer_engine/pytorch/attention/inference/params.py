@@ -194,7 +194,14 @@ class InferenceParams:
             max_seqlen_q=sq,
             max_seqlen_kv=self.max_sequence_length,
             qkv_format=qkv_format,
+            rows_all_valid=self._rows_all_valid(qkv_format, shape, b, sq),
         )
+
+    def _rows_all_valid(self, qkv_format: str, shape, batch: int, sq: int) -> bool:
+        lens = self._step_lens
+        if qkv_format == "thd":
+            return sum(lens) == shape[0]
+        return len(lens) == batch and all(n == sq for n in lens)
 
     def _strided_offsets(self, batch: int, stride: int) -> torch.Tensor:
         """[batch+1] int32 ``b * stride``: made once per shape and kept (constant, so a captured

@@ -48,6 +48,10 @@ class KVCacheStep(NamedTuple):
     max_seqlen_q: int
     max_seqlen_kv: int
     qkv_format: str  # the format of the step's inputs: bshd, sbhd or thd
+    # Every query row of queries_as_thd holds one of the step's tokens (no padding, no batch rows
+    # past the batch, no thd tail): a host fact of pre_step, so kernels that leave unowned rows
+    # unwritten may skip zeroing them. Not for a CUDA graph: it replays as the batch changes.
+    rows_all_valid: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -56,6 +60,11 @@ class KVCacheStep(NamedTuple):
     @property
     def is_paged(self) -> bool:
         return self.page_table is not None
+
+    @property
+    def page_size(self) -> Optional[int]:
+        """Tokens per page of a paged cache (the pools' second dim); None when not paged."""
+        return self.k_cache.shape[1] if self.is_paged else None
 
     @property
     def output_qkv_format(self) -> str:

@@ -22,6 +22,7 @@ from ..prepare.inputs import AttentionInputs
 from ..selection.libraries import compute_capability
 from ..selection.support import SOFTMAX_TYPES, Reason
 from . import kernel_ops
+from .fa4_kv import run_fa4_kv_cache
 from .flash_common import FlashAttention, fa_mask_args
 from .kernel_autograd import run_kernel
 from .varlen import plan_varlen
@@ -219,6 +220,12 @@ class FlashAttentionV4(FlashAttention):
     CP_COMM_TYPES = frozenset({"p2p", "all_gather", "a2a", "a2a+p2p"})
     # flash-attn-4 4.0.0b36 runs split-KV on sm10x/sm11x only (fa4_fwd drops the hint elsewhere).
     NUM_SPLITS_MAJORS = frozenset({10})
+    # KV caches through page_table / seqused_k (fa4_kv.py); page sizes probed on the H200: 16, 64,
+    # 128 and 256 (benchmarks/attention/probe_fp8_paged_kv.py).
+    SUPPORTS_KV_CACHE = True
+    SUPPORTS_PAGED_KV_CACHE = True
+    KV_PAGE_SIZE_MULTIPLE = 16
+    run_kv_cache = staticmethod(run_fa4_kv_cache)
 
     @classmethod
     def _check_special(cls, params, libs):

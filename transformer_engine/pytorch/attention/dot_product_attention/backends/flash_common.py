@@ -30,6 +30,7 @@ class FlashAttention(BackendSupport):
         "softmax_type": "this FlashAttention library takes no attention-sink logits",
         "return_max_logit": "FlashAttention returns only the log-sum-exp, which bounds the max logit "
                             "(max <= lse <= max + log(skv)) but does not give it",
+        "inference_params": "this FlashAttention library's KV-cache entry is not wired here (FA4 runs paged and non-paged caches)",
     }
 
     @classmethod

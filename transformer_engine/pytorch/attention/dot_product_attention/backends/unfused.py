@@ -13,6 +13,7 @@ from ..fp8.emulation import run_emulated
 from ..selection.support import ALL_FLOAT, HALF, SOFTMAX_TYPES, BackendSupport, Reason, bias_thd_reasons
 from .unfused_kernel import UnfusedKernel
 from .unfused_math import unfused_attention
+from ...inference import attention_over_cache
 
 
 class UnfusedDotProductAttention(BackendSupport):
@@ -31,6 +32,8 @@ class UnfusedDotProductAttention(BackendSupport):
     SUPPORTS_PER_SEQ_POLICY = True
     SUPPORTED_SOFTMAX_TYPES = frozenset(SOFTMAX_TYPES)
     SUPPORTS_RETURN_MAX_LOGIT = True
+    SUPPORTS_KV_CACHE = True  # through attention_over_cache, the float64-capable reference
+    SUPPORTS_PAGED_KV_CACHE = True  # the pages gathered through the page table
     KERNEL = UnfusedKernel
     CP_COMM_TYPES = frozenset({"p2p", "all_gather", "a2a", "a2a+p2p"})
     FP8_SUPPORT = "emulated"
@@ -49,3 +52,15 @@ class UnfusedDotProductAttention(BackendSupport):
         if inp.fp8 is not None:
             return run_emulated(inp, training, unfused_attention)
         return unfused_attention(inp, training)
+
+    @staticmethod
+    def run_kv_cache(inp: AttentionInputs) -> torch.Tensor:
+        """The KV call's query rows over the cache (``inference.attention_over_cache``)."""
+        step = inp.kv_cache
+        query = inp.q
+        if step.qkv_format != "thd":  # the rows of a bshd/sbhd step are a [B, Sq] bshd batch
+            query, step = inp.q.reshape(step.batch_size, step.max_seqlen_q, *inp.q.shape[1:]), step._replace(qkv_format="bshd")
+        with torch.autocast(query.device.type, enabled=False):  # float32/float64 inside autocast too, as unfused_math
+            out = attention_over_cache(query, step, attn_mask_type=inp.mask.mask_type.value, window_size=inp.mask.window,
+                                       softmax_scale=inp.softmax_scale)
+        return out if step.qkv_format == "thd" else out.flatten(0, 1)

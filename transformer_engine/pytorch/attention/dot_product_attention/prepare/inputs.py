@@ -14,6 +14,7 @@ import torch
 from ..masks import MaskSpec
 from .policies import SeqPolicies
 from .packed_seqs import PackedSeqs
+from ...inference.record import KVCacheStep
 
 QKV_FORMATS = ("sbhd", "bshd", "thd")
 BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
@@ -65,6 +66,14 @@ class AttentionInputs:
     cp_size: int = 1
     # FP8 attention: the call's fp8.context.FP8Context (None: high precision).
     fp8: Optional[Any] = None
+    # KV-cache inference (TE's inference_params): the step's cache record; None for an ordinary
+    # call. Such a record is a THD call of the step's query rows (``q``: [B*Sq, H, D] for
+    # bshd/sbhd steps, [T, H, D] for thd; ``packed_q`` at the step's padded offsets) over the
+    # cache: non-paged, ``k``/``v`` are its [B*S, Hkv, D] view and ``packed_kv`` has slots of
+    # max_sequence_length (padding between sequences); paged, ``k``/``v`` are the page pools
+    # [P, page_size, Hkv, D] and ``packed_kv`` is None (the lengths and the page table are the
+    # step's). Run by ``run_kv_cache`` of the selected backend, never by ``run``.
+    kv_cache: Optional[KVCacheStep] = None
 
     @property
     def is_thd(self) -> bool:

@@ -252,6 +252,19 @@ def support_matrix_markdown() -> str:
     return "\n".join(lines)
 
 
+def kv_cache_support_markdown() -> str:
+    """The README's KV-cache table (TE's ``inference_params``), rendered from the backends'
+    declarations. Every backend that runs a cache runs it forward only, with the vanilla
+    softmax and without dropout (``BackendSupport._check_kv_cache``)."""
+    yes = lambda flag: "yes" if flag else "no"  # noqa: E731
+    lines = ["| backend | non-paged cache | paged cache | page size |", "|---|---|---|---|"]
+    for b in BACKENDS:
+        paged = b.SUPPORTS_KV_CACHE and b.SUPPORTS_PAGED_KV_CACHE
+        size = ("any" if b.KV_PAGE_SIZE_MULTIPLE == 1 else f"multiple of {b.KV_PAGE_SIZE_MULTIPLE}") if paged else "-"
+        lines.append(f"| {backend_label(b)} | {yes(b.SUPPORTS_KV_CACHE)} | {yes(paged)} | {size} |")
+    return "\n".join(lines)
+
+
 def explain_backends(params: AttentionParams, libraries: Optional[InstalledLibraries] = None) -> Dict[str, Tuple[str, ...]]:
     """{backend label: reasons it cannot run ``params``} ("which backend, and why not the others")."""
     selection = get_attention_backend(params, libraries)

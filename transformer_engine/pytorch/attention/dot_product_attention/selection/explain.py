@@ -18,7 +18,8 @@ import torch
 from .libraries import LIBRARY_INSTALLS, InstalledLibraries, installed_libraries
 from ..masks import AttnMaskType
 from .params import AttentionParams
-from .backend_selection import get_attention_backend, support_matrix_markdown
+from ...inference import inference_attn_mask_type
+from .backend_selection import get_attention_backend, kv_cache_support_markdown, support_matrix_markdown
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 
@@ -38,31 +39,35 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bias", default="no_bias", choices=["no_bias", "pre_scale_bias", "post_scale_bias", "alibi"])
     p.add_argument("--pad-between-seqs", action="store_true")
     p.add_argument("--fp8", action="store_true", help="FP8 attention (a recipe with fp8_dpa=True)")
+    p.add_argument("--kv-cache", choices=["none", "non-paged", "paged"], default="none",
+                   help="attention over a KV cache (inference_params): the step's queries as --format, forward only")
+    p.add_argument("--page-size", type=int, default=64, help="tokens per page of a paged KV cache")
     p.add_argument("--assume-all-libraries", action="store_true", help="pretend every GPU library is installed")
     p.add_argument("--matrix", action="store_true", help="print the support matrix and exit")
+    p.add_argument("--kv-matrix", action="store_true", help="print the KV-cache support table and exit")
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    if args.matrix:
-        print(support_matrix_markdown())
+    if args.matrix or args.kv_matrix:
+        print(support_matrix_markdown() if args.matrix else kv_cache_support_markdown())
         return 0
+    facts = dict(qkv_format=args.format, pad_between_seqs=args.pad_between_seqs, attn_mask_type=args.mask)
+    facts.update(_kv_cache_args(args))
     params = AttentionParams(
         qkv_dtype=DTYPES[args.dtype],
         device_type=args.device,
         compute_capability=tuple(int(x) for x in args.cc.split(".")) if args.device == "cuda" else None,
-        qkv_format=args.format,
         num_heads=args.heads,
         num_gqa_groups=args.gqa_groups or args.heads,
         head_dim_qk=args.head_dim,
         head_dim_v=args.head_dim,
-        attn_mask_type=args.mask,
         window_size=tuple(args.window) if args.window else None,
         attention_dropout=args.dropout,
         core_attention_bias_type=args.bias,
-        pad_between_seqs=args.pad_between_seqs,
         fp8=args.fp8,
+        **facts,
     )
     libs = TESTED_LIBRARIES if args.assume_all_libraries else installed_libraries()
     selection = get_attention_backend(params, libs)
@@ -72,6 +77,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         if note:
             print(note)
     return 0
+
+
+def _kv_cache_args(args) -> dict:
+    """A KV call as the module describes it: the step's queries as a THD call over the cache
+    (padding between its sequences' slots when not paged), forward only."""
+    if args.kv_cache == "none":
+        return {}
+    return dict(kv_cache=True, kv_page_size=args.page_size if args.kv_cache == "paged" else None, requires_grad=False,
+                is_training=False, qkv_format="thd", pad_between_seqs=args.kv_cache == "non-paged", shared_cu_seqlens=False,
+                attn_mask_type=inference_attn_mask_type(args.mask))
 
 
 # "All libraries": each at the release this package is tested with (cuDNN 9.26 runs every sink case).

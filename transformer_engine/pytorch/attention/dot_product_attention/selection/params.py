@@ -69,8 +69,13 @@ class AttentionParams:
     core_attention_bias_requires_grad: bool = True
     deterministic: bool = False
     kv_cache: bool = False
+    # With kv_cache: the page size of a paged cache, None for a non-paged one (from
+    # inference_params.is_paged / page_size). The module's KV calls describe what the backend
+    # runs: qkv_format "thd" (the step's queries as packed rows), max_seqlen_q the step's query
+    # bound, max_seqlen_kv the cache's max_sequence_length.
+    kv_page_size: Optional[int] = None
     # Objects, folded into the plain facts above at construction and not compared (selection's
-    # cache keys on the facts): fp8_meta into fp8, inference_params into kv_cache.
+    # cache keys on the facts): fp8_meta into fp8, inference_params into kv_cache and kv_page_size.
     fp8_meta: Optional[dict] = field(default=None, compare=False, repr=False)
     inference_params: Any = field(default=None, compare=False, repr=False)
 
@@ -88,7 +93,7 @@ class AttentionParams:
         if self.fp8 and _fp8_attention_off(self.fp8_meta):
             derived["fp8"] = False
         if self.inference_params is not None:
-            derived["kv_cache"] = True
+            derived.update(_kv_cache_facts(self.inference_params, self.is_training))
         if self.context_parallel and self.cp_comm_type is None:
             derived["cp_comm_type"] = "p2p"  # TE's default
         for name, value in derived.items():
@@ -102,11 +107,27 @@ class AttentionParams:
         return (MaskSpec(self.attn_mask_type, self.window_size),)
 
     @property
+    def paged_kv_cache(self) -> bool:
+        return self.kv_cache and self.kv_page_size is not None
+
+    @property
     def same_lengths(self) -> bool:
         """Whether every sequence is known (from host facts) to have sq == skv."""
         if self.qkv_format == "thd":
             return self.shared_cu_seqlens
         return self.max_seqlen_q == self.max_seqlen_kv and not self.has_padding_mask
+
+
+def _kv_cache_facts(inference_params: Any, is_training: bool) -> dict:
+    """TE's ``inference_params`` folded into plain facts: a KV cache, its page size when paged,
+    and, as TE's selection assumes for an inference call (``is_training=False``; TE's
+    AttentionParams has no requires_grad), no gradients."""
+    facts = dict(kv_cache=True)
+    if getattr(inference_params, "is_paged", False):
+        facts["kv_page_size"] = inference_params.page_size
+    if not is_training:
+        facts["requires_grad"] = False
+    return facts
 
 
 def _fp8_attention_off(fp8_meta: Optional[dict]) -> bool:

@@ -76,7 +76,13 @@ class BackendSupport:
     # backend passes it to its library. Elsewhere (and by every backend with none) it is
     # ignored, as TE ignores it outside FlashAttention 3; results do not depend on it.
     NUM_SPLITS_MAJORS: ClassVar[FrozenSet[int]] = frozenset()
-    SUPPORTS_KV_CACHE: ClassVar[bool] = False  # TE's inference_params
+    # TE's inference_params: attention of a step's queries over a KV cache, forward only.
+    # SUPPORTS_KV_CACHE: a non-paged cache; SUPPORTS_PAGED_KV_CACHE: page tables too, with page
+    # sizes a multiple of KV_PAGE_SIZE_MULTIPLE. The rules every KV backend shares are
+    # _check_kv_cache's; a backend declaring the cache runs it with ``run_kv_cache``.
+    SUPPORTS_KV_CACHE: ClassVar[bool] = False
+    SUPPORTS_PAGED_KV_CACHE: ClassVar[bool] = False
+    KV_PAGE_SIZE_MULTIPLE: ClassVar[int] = 1
     # The backend's kernel interface (backends/kernel_problem.py: forward, backward,
     # stats_to_rows, stats_from_rows), None where it has none. Context parallelism runs the
     # ring and all-gather steps on it (cp/spans.py wraps it), so a backend declaring those comm
@@ -99,6 +105,7 @@ class BackendSupport:
             cls._check_head_dims,
             cls._check_masks,
             cls._check_features,
+            cls._check_kv_cache,
             cls._check_special,
         )
         reasons: List[Reason] = []
@@ -140,7 +147,9 @@ class BackendSupport:
         out = []
         if params.qkv_dtype not in cls.SUPPORTED_DTYPES:
             out.append(Reason("qkv_dtype", str(params.qkv_dtype), _fmt(cls.SUPPORTED_DTYPES)))
-        if params.qkv_format not in cls.SUPPORTED_FORMATS:
+        # A KV call's format is its queries' (TE's "thd_2bshd": q in thd, the cache in bshd).
+        fmt = params.qkv_format.split("_2")[0] if params.kv_cache else params.qkv_format
+        if fmt not in cls.SUPPORTED_FORMATS:
             out.append(Reason("qkv_format", params.qkv_format, _fmt(cls.SUPPORTED_FORMATS)))
         if issubclass(params.qkv_type, QuantizedTensor):
             out.append(Reason("qkv_type", params.qkv_type.__name__, "torch.Tensor (quantized q/k/v tensors are not implemented)"))
@@ -205,9 +214,40 @@ class BackendSupport:
         return []
 
     @classmethod
+    def _check_kv_cache(cls, params, libs):
+        """The rules of attention over a KV cache (a backend without one is refused in
+        ``_check_features``): forward only, vanilla softmax, no dropout, and the page layout."""
+        if not (params.kv_cache and cls.SUPPORTS_KV_CACHE):
+            return []
+        out = []
+        if params.requires_grad:
+            out.append(Reason("requires_grad", "True with inference_params (q/k/v need gradients in training mode)",
+                              "False: attention over a KV cache runs forward only (torch.no_grad(), torch.inference_mode() "
+                              "or the module in eval mode)"))
+        for field, unsupported, seen, allowed in (
+            ("softmax_type", params.softmax_type != "vanilla", repr(params.softmax_type), "'vanilla'"),
+            ("return_max_logit", params.return_max_logit, "True", "False"),
+            ("attention_dropout", params.attention_dropout > 0 and params.is_training, str(params.attention_dropout), "0.0, or eval mode"),
+        ):
+            if unsupported:
+                out.append(Reason(field, f"{seen} with inference_params", f"{allowed} with inference_params"))
+        page = params.kv_page_size
+        if page is not None and not cls.SUPPORTS_PAGED_KV_CACHE:
+            out.append(Reason("inference_params.is_paged", f"True (page_size={page})", "False (a non-paged cache)"))
+        elif page is not None and page % cls.KV_PAGE_SIZE_MULTIPLE:
+            out.append(Reason("page_size", str(page), f"multiples of {cls.KV_PAGE_SIZE_MULTIPLE}"))
+        return out
+
+    @classmethod
     def _check_special(cls, params, libs):
         """Backend-specific rules that do not fit the attributes above."""
         return []
+
+    @classmethod
+    def run_kv_cache(cls, inp) -> torch.Tensor:
+        """Attention of a KV call's query rows over the cache (``inp.kv_cache``): [rows, H, Dv],
+        rows no sequence owns 0. Backends declaring SUPPORTS_KV_CACHE override it."""
+        raise NotImplementedError(f"{cls.NAME} does not run attention over a KV cache (SUPPORTS_KV_CACHE is False)")
 
     @classmethod
     def matrix_row(cls) -> dict:

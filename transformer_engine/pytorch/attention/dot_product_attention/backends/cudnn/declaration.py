@@ -13,6 +13,7 @@ from ...selection.support import SOFTMAX_TYPES, BackendSupport, Reason, bias_thd
 from ..kernel_autograd import run_kernel
 from ..varlen import plan_varlen
 from .kernel import _CudnnKernel
+from .kv_cache import run_cudnn_kv_cache
 
 
 class FusedAttention(BackendSupport):
@@ -41,6 +42,12 @@ class FusedAttention(BackendSupport):
     }
     CP_COMM_TYPES = frozenset({"p2p", "all_gather", "a2a", "a2a+p2p"})
     KERNEL = _CudnnKernel  # the one kernel interface (context parallelism's ring and all-gather steps run on it)
+    # KV caches (kv_cache.py): the ragged graph over the non-paged cache, cuDNN's paged SDPA over
+    # pages; page sizes probed on the H200: 64, 128 and 256 (probe_fp8_paged_kv.py).
+    SUPPORTS_KV_CACHE = True
+    SUPPORTS_PAGED_KV_CACHE = True
+    KV_PAGE_SIZE_MULTIPLE = 64
+    run_kv_cache = staticmethod(run_cudnn_kv_cache)
 
     @classmethod
     def _check_special(cls, params, libs):
