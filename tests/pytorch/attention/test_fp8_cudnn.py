@@ -23,7 +23,7 @@ from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn.f
 from transformer_engine.pytorch.attention.dot_product_attention.selection.libraries import InstalledLibraries
 
 from .fp8_cudnn_standin import FP8CudnnStandIn, cast
-from .fp8_helpers import DO, DP, DQKV, O, QKV, S, delayed, fp8_clean  # noqa: F401
+from .fp8_helpers import DO, DP, DQKV, QKV, delayed, fp8_clean  # noqa: F401  (fp8_clean: the autouse fixture)
 from .packing import make_thd
 
 E4M3 = torch.float8_e4m3fn
@@ -371,3 +371,21 @@ def test_triton_kernel_in_the_interpreter(with_rows):
     assert torch.equal(got[wrong] * 2, want[wrong]) and (torch.frexp(want[wrong])[0].abs() == 0.5).all()
     if with_rows:
         assert (got[~valid] == 0).all()
+
+
+def test_benchmark_report_writes_rows_and_speedups(tmp_path):
+    """benchmark_fp8.py's report (run on the H200 by the lead): partial rows, errors and the
+    speedup table render without a GPU."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "attention" / "benchmark_fp8.py"
+    spec = importlib.util.spec_from_file_location("benchmark_fp8", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    base = dict(tokens=8192, seqs=1, heads="16:16", mask="causal", eager_ms=1.0, queued=True, tflops=1.0)
+    rows = [dict(base, path="bf16 fwd", gpu_ms=0.6), dict(base, path="fp8 fwd", gpu_ms=0.4),
+            dict(base, path="fp8 fwd+bwd", error="RuntimeError: refused")]
+    bench.write(rows, tmp_path, {"gpu": "none"}, "interrupted")
+    text = (tmp_path / "bench_fp8.md").read_text()
+    assert "Status: interrupted" in text and "| 8192 | causal | 1.50x | - | - |" in text and "error: RuntimeError" in text

@@ -178,8 +178,8 @@ def _forward(call: FP8Call, q8, k8, v8) -> Tuple[torch.Tensor, ...]:
     table = _forward_table(fp8)
     amaxes = torch.empty(2, 4, dtype=torch.float32, device=q8.device)
     stats = kernel_ops.ops.cudnn_fp8_fwd(q8, k8, v8, o8, table, amaxes, *call.run_args())
-    slots = [fp8.s.slot, fp8.o.slot]
-    fp8.fwd_amax[slots] = torch.maximum(fp8.fwd_amax[slots], amaxes[:, 0])
+    for i, slot in enumerate((fp8.s.slot, fp8.o.slot)):  # integer slots: views, no index tensor to upload
+        fp8.fwd_amax[slot] = torch.maximum(fp8.fwd_amax[slot], amaxes[i, 0])
     out = dequantize(o8, table[_FWD_ROW["descale_o"], 0], call.dtype)
     if empty and problem.rows_q is not None:  # THD rows no sequence owns: 0, as in the BF16 path
         kernel_ops.ops.zero_gap_rows(out, *problem.rows_q, -1)
