@@ -55,6 +55,8 @@ run_file test_te_checkpoints.py
 run_file test_softmax_variants.py
 run_file test_fp8.py
 run_file test_fp8_emulation.py
+run_file test_fp8_cudnn.py
+run_file test_gpu_fp8.py
 run_file test_unfused_memory.py
 run_file test_unfused_probabilities.py
 run_file test_gpu_softmax_variants.py

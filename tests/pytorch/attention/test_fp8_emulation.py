@@ -13,6 +13,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
+from transformer_engine.pytorch.attention import backend_scope
 from transformer_engine.pytorch.attention.dot_product_attention.selection.backend_selection import NoBackendError
 from transformer_engine.pytorch.distributed import activation_recompute_forward
 
@@ -336,7 +337,7 @@ def test_megatron_fp8_configurations_refused_by_name(monkeypatch):
     q, k, v = _sbhd(81)
     with get_fp8_context(config):
         monkeypatch.setenv("NVTE_UnfusedDPA_Emulate_FP8", "0")
-        with pytest.raises(NoBackendError, match="FusedAttention: .*fp8=True"):
+        with pytest.raises(NoBackendError, match="UnfusedDotProductAttention: NVTE_UnfusedDPA_Emulate_FP8=0"):
             attn(q, k, v, None, masks.causal)
     monkeypatch.setenv("NVTE_UnfusedDPA_Emulate_FP8", "1")
     config, attn, masks = _megatron(fp8_multi_head_attention=True)
@@ -364,12 +365,14 @@ def test_gpu_emulation_is_sync_free_and_matches_the_cpu(fmt):
         dpa, inputs, kwargs = _gpu_case(fmt, device)
         dout = torch.randn(inputs[0].shape[0], *inputs[0].shape[1:-2], 256, generator=torch.Generator().manual_seed(92))
         dout = dout.to(torch.bfloat16).to(device)
-        step(dpa, *(t.detach().requires_grad_() for t in inputs), delayed(), dout, **kwargs)  # warm-up: lazy inits
+        with backend_scope(allow=["unfused"]):  # the emulation, also where cuDNN would run FP8
+            step(dpa, *(t.detach().requires_grad_() for t in inputs), delayed(), dout, **kwargs)  # warm-up: lazy inits
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
         try:
-            out = step(dpa, *inputs, delayed(), dout, **kwargs)
+            with backend_scope(allow=["unfused"]):
+                out = step(dpa, *inputs, delayed(), dout, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         results[device] = [out.cpu()] + [t.grad.cpu() for t in inputs] + [dpa._fp8_state.fwd.scale.cpu(), dpa._fp8_state.bwd.scale.cpu()]

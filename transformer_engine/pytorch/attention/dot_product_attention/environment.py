@@ -88,6 +88,7 @@ _SELECTION_KEYS = (
     "NVTE_FLASH_ATTN_V3",
     "NVTE_FLASH_ATTN_V4",
     "NVTE_UnfusedDPA_Emulate_FP8",
+    "NVTE_FP8_DPA_BWD",  # cuDNN's FP8 rules differ for an FP8 and an F16 backward
     "NVTE_DEBUG",
     "NVTE_DEBUG_LEVEL",
 )

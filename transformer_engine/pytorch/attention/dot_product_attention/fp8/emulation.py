@@ -31,7 +31,7 @@ def run_emulated(inp: AttentionInputs, training: bool, run: Run):
     """``run(inp, training)`` (the unfused math) as FP8 attention per ``inp.fp8``; returns what
     ``run`` returns (the output, or (output, max logit))."""
     fp8 = inp.fp8
-    rows = _valid_rows(inp)
+    rows = valid_rows(inp)
     if fp8.backward_fp8:
         result = _quantized(inp, training, run, rows)
     else:
@@ -40,7 +40,8 @@ def run_emulated(inp: AttentionInputs, training: bool, run: Run):
     return result
 
 
-def _valid_rows(inp: AttentionInputs) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def valid_rows(inp: AttentionInputs) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """THD: the [T] rows sequences own on the q and kv sides (amaxes skip the others); dense: None."""
     if not inp.is_thd:
         return None, None
     return inp.packed_q.token_valid(), inp.packed_kv.token_valid()

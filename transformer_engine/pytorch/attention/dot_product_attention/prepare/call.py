@@ -22,7 +22,7 @@ import torch
 from ..selection.libraries import compute_capability
 from ..masks import AttnMaskType, MaskSpec, normalize_window
 from .packed_qkv import ResolvedQKV
-from ..selection.params import AttentionParams
+from ..selection.params import AttentionParams, fp8_recipe_kind
 from .inputs import AttentionInputs
 from .policies import SeqPolicies, parse_policies, reject_per_seq
 from .packed_seqs import PackedSeqs, prepare_sides
@@ -101,7 +101,8 @@ def prepare(
         q, k, v, fmt, spec, module.softmax_scale, module.attention_dropout, packed_q=pq, packed_kv=pk, policies=policies,
         q_valid=dense[0], kv_valid=dense[1], arbitrary_mask=dense[2], bias_type=bias_type, bias=bias, bias_shape=bias_shape,
         alibi_slopes=alibi_slopes, softmax_type=module.softmax_type, softmax_offset=module.softmax_offset,
-        return_max_logit=module.return_max_logit, num_splits=num_splits, cp_size=cp_size, fp8=fp8)
+        return_max_logit=module.return_max_logit, num_splits=num_splits, cp_size=cp_size, fp8=fp8,
+        packing=qkv.packing if qkv.declared else None, packed_layer=qkv.buffer)
 
 
 def _packed_call(q, k, cus, max_seqlens, pad_between_seqs, per_seq, is_causal, raw_window, spec: MaskSpec,
@@ -163,6 +164,7 @@ def selection_params(module: Any, inp: AttentionInputs, qkv_format: str, layout:
         context_parallel=context_parallel,
         cp_comm_type=cp_comm_type,
         fp8=inp.fp8 is not None,
+        fp8_recipe=None if inp.fp8 is None else fp8_recipe_kind(inp.fp8.recipe),
     )
 
 

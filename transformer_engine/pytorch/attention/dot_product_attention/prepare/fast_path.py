@@ -64,10 +64,13 @@ class CallRecipe:
         split-KV hint, a per-call field; ``fp8``: its FP8 context, a per-call
         field whose mode is in the key)."""
         query, key, value, qkv_layer, kv_layer = layers
+        layer = None
         if self.packing == "qkv":
             query, key, value = split_packed(qkv_layer, self.interleave_dim)
+            layer = qkv_layer
         elif self.packing == "kv":
             key, value = split_packed(kv_layer, self.interleave_dim)
+            layer = kv_layer
         q, k, v = bshd_views(query, key, value, self.qkv_format)
         pq = pk = None
         if self.qkv_format == "thd":
@@ -80,7 +83,7 @@ class CallRecipe:
         if self.policy is not None:
             policies = self.policy.policies(per_seq, is_causal, pq.batch_size, q.device)
         return assemble_inputs(self.static, q, k, v, pq, pk, policies, module.softmax_scale, module.softmax_offset, num_splits,
-                               fp8)
+                               fp8, layer)
 
 
 def recipe_of(inp: AttentionInputs, selection, qkv_format: str, qkv: ResolvedQKV, interleave_dim: int,

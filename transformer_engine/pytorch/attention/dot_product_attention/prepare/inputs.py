@@ -74,6 +74,10 @@ class AttentionInputs:
     # [P, page_size, Hkv, D] and ``packed_kv`` is None (the lengths and the page table are the
     # step's). Run by ``run_kv_cache`` of the selected backend, never by ``run``.
     kv_cache: Optional[KVCacheStep] = None
+    # Declared packing (qkv_layer / kv_layer): "qkv" or "kv", and the buffer q/k/v (or k/v)
+    # are views of, so that an FP8 backend quantizes it once (None: separate tensors).
+    packing: Optional[str] = None
+    packed_layer: Optional[torch.Tensor] = None
 
     @property
     def is_thd(self) -> bool:
@@ -95,7 +99,7 @@ class AttentionInputs:
 # (the module's softmax_scale and its softmax_offset tensor, which .to() replaces; the num_splits
 # hint). Every other field is the same for both: the cached static half.
 PER_CALL_FIELDS = ("q", "k", "v", "packed_q", "packed_kv", "policies", "softmax_scale", "softmax_offset", "num_splits",
-                   "fp8")
+                   "fp8", "packed_layer")
 STATIC_FIELDS = tuple(f.name for f in fields(AttentionInputs) if f.name not in PER_CALL_FIELDS)
 
 
@@ -104,7 +108,7 @@ def static_half(inp: AttentionInputs) -> Mapping[str, Any]:
 
 
 def assemble_inputs(static: Mapping[str, Any], q, k, v, packed_q, packed_kv, policies, softmax_scale,
-                    softmax_offset, num_splits: Optional[int] = None, fp8=None) -> AttentionInputs:
+                    softmax_offset, num_splits: Optional[int] = None, fp8=None, packed_layer=None) -> AttentionInputs:
     """A record from a cached :func:`static_half` and one call's values, for the fast path.
 
     The generated frozen ``__init__`` sets each of the ~20 fields through
@@ -117,5 +121,5 @@ def assemble_inputs(static: Mapping[str, Any], q, k, v, packed_q, packed_kv, pol
     state["q"], state["k"], state["v"], state["packed_q"], state["packed_kv"] = q, k, v, packed_q, packed_kv
     state["policies"] = policies
     state["softmax_scale"], state["softmax_offset"], state["num_splits"] = softmax_scale, softmax_offset, num_splits
-    state["fp8"] = fp8
+    state["fp8"], state["packed_layer"] = fp8, packed_layer
     return inp

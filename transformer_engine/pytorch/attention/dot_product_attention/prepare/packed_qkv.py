@@ -30,6 +30,7 @@ class ResolvedQKV:
     layout: str
     packing: Optional[str]
     declared: bool = False  # packing stated through qkv_layer / kv_layer (not read from pointers)
+    buffer: Optional[torch.Tensor] = None  # the declared qkv_layer / kv_layer itself
 
 
 def split_packed(packed: torch.Tensor, interleave_dim: int) -> Tuple[torch.Tensor, ...]:
@@ -71,14 +72,14 @@ def resolve_qkv(
         if clash:
             raise ValueError(f"qkv_layer already holds q, k and v; do not also pass {', '.join(clash)}")
         q, k, v = _views(qkv_layer, "qkv_layer", 3, qkv_interleave_dim, qkv_format)
-        return ResolvedQKV(q, k, v, layout_string(qkv_format, "qkv", qkv_interleave_dim), "qkv", True)
+        return ResolvedQKV(q, k, v, layout_string(qkv_format, "qkv", qkv_interleave_dim), "qkv", True, qkv_layer)
     if kv_layer is not None:
         if query_layer is None:
             raise ValueError("kv_layer needs query_layer (the queries are not in the packed buffer); got None")
         if key_layer is not None or value_layer is not None:
             raise ValueError("kv_layer already holds k and v; do not also pass key_layer/value_layer")
         k, v = _views(kv_layer, "kv_layer", 2, qkv_interleave_dim, qkv_format)
-        return ResolvedQKV(query_layer, k, v, layout_string(qkv_format, "kv", qkv_interleave_dim), "kv", True)
+        return ResolvedQKV(query_layer, k, v, layout_string(qkv_format, "kv", qkv_interleave_dim), "kv", True, kv_layer)
     missing = [n for n, t in separate.items() if t is None]
     if missing:
         raise ValueError(f"pass query_layer, key_layer and value_layer, or qkv_layer, or query_layer with kv_layer; missing {', '.join(missing)}")

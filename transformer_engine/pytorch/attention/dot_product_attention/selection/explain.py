@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache", choices=["none", "non-paged", "paged"], default="none",
                    help="attention over a KV cache (inference_params): the step's queries as --format, forward only")
     p.add_argument("--page-size", type=int, default=64, help="tokens per page of a paged KV cache")
+    p.add_argument("--fp8-recipe", default="DelayedScaling", choices=["DelayedScaling", "Float8CurrentScaling"],
+                   help="with --fp8: the recipe (cuDNN runs delayed scaling only)")
+    p.add_argument("--no-grad", action="store_true", help="forward only (no gradients: FP8's backward rules do not apply)")
     p.add_argument("--assume-all-libraries", action="store_true", help="pretend every GPU library is installed")
     p.add_argument("--matrix", action="store_true", help="print the support matrix and exit")
     p.add_argument("--kv-matrix", action="store_true", help="print the KV-cache support table and exit")
@@ -53,7 +56,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.matrix or args.kv_matrix:
         print(support_matrix_markdown() if args.matrix else kv_cache_support_markdown())
         return 0
-    facts = dict(qkv_format=args.format, pad_between_seqs=args.pad_between_seqs, attn_mask_type=args.mask)
+    facts = dict(qkv_format=args.format, pad_between_seqs=args.pad_between_seqs, attn_mask_type=args.mask,
+                 requires_grad=not args.no_grad)
     facts.update(_kv_cache_args(args))
     params = AttentionParams(
         qkv_dtype=DTYPES[args.dtype],
@@ -67,6 +71,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         attention_dropout=args.dropout,
         core_attention_bias_type=args.bias,
         fp8=args.fp8,
+        fp8_recipe=args.fp8_recipe if args.fp8 else None,
         **facts,
     )
     libs = TESTED_LIBRARIES if args.assume_all_libraries else installed_libraries()

@@ -57,6 +57,10 @@ class AttentionParams:
     is_training: bool = True
     requires_grad: bool = True
     fp8: bool = False
+    # FP8 attention's recipe class name ("DelayedScaling" or "Float8CurrentScaling"; read from
+    # fp8_meta["recipe"] when given, DelayedScaling, TE's default, otherwise; None without fp8):
+    # cuDNN's FP8 support depends on it.
+    fp8_recipe: Optional[str] = None
     context_parallel: bool = False
     # "vanilla", "off-by-one" or "learnable" (see DotProductAttention), and whether the call
     # returns TE's per-head max logit.
@@ -92,6 +96,7 @@ class AttentionParams:
                 derived[name] = tuple(getattr(self, name))
         if self.fp8 and _fp8_attention_off(self.fp8_meta):
             derived["fp8"] = False
+        derived["fp8_recipe"] = _fp8_recipe_name(self.fp8_meta, self.fp8_recipe) if derived.get("fp8", self.fp8) else None
         if self.inference_params is not None:
             derived.update(_kv_cache_facts(self.inference_params, self.is_training))
         if self.context_parallel and self.cp_comm_type is None:
@@ -139,6 +144,23 @@ def _fp8_attention_off(fp8_meta: Optional[dict]) -> bool:
         raise TypeError(f"fp8_meta must be None or TE's FP8 metadata dict (with a 'recipe' entry); got {type(fp8_meta).__name__}")
     recipe = fp8_meta.get("recipe")
     return recipe is not None and not getattr(recipe, "fp8_dpa", False)
+
+
+def fp8_recipe_kind(recipe: Any) -> str:
+    """"DelayedScaling" or "Float8CurrentScaling" for those recipes and their subclasses (as
+    megatron-core's TEDelayedScaling), else the recipe's class name."""
+    if getattr(recipe, "delayed", lambda: False)():
+        return "DelayedScaling"
+    if getattr(recipe, "float8_current_scaling", lambda: False)():
+        return "Float8CurrentScaling"
+    return type(recipe).__name__
+
+
+def _fp8_recipe_name(fp8_meta: Optional[dict], given: Optional[str]) -> str:
+    recipe = None if fp8_meta is None else fp8_meta.get("recipe")
+    if recipe is not None:
+        return fp8_recipe_kind(recipe)
+    return given if given is not None else "DelayedScaling"
 
 
 # The compared fields: fp8_meta and inference_params are folded into fp8 and kv_cache.

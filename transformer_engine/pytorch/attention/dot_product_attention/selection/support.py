@@ -23,9 +23,10 @@ ALL_FLOAT = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat
 PACKAGES = {field: install.package for field, install in LIBRARY_INSTALLS.items()}
 NON_ARBITRARY_MASKS = frozenset(m for m in AttnMaskType if m is not AttnMaskType.ARBITRARY)
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
-# FP8 attention (AttentionParams.fp8): "no", or "emulated" (the unfused backend's emulation of the
-# FP8 kernels, run under TE's NVTE_UnfusedDPA_Emulate_FP8=1).
-FP8_SUPPORT_KINDS = ("no", "emulated")
+# FP8 attention (AttentionParams.fp8): "no", "emulated" (the unfused backend's emulation of the
+# FP8 kernels, run under TE's NVTE_UnfusedDPA_Emulate_FP8=1) or "yes" (FP8 kernels; the
+# backend's own rules say which FP8 calls).
+FP8_SUPPORT_KINDS = ("no", "emulated", "yes")
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,8 @@ class BackendSupport:
             return []
         if cls.FP8_SUPPORT == "no":
             return [Reason("fp8", "True", "False")]
+        if cls.FP8_SUPPORT == "yes":
+            return []
         if FP8_EMULATE.get("0") != "1":
             return [Reason(FP8_EMULATE.name, FP8_EMULATE.get("") or "unset",
                            "1 (this backend runs FP8 attention as an emulation of the FP8 kernels, only when asked to)")]

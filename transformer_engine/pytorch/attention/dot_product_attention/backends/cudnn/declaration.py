@@ -4,7 +4,7 @@ floors of sinks and of the max logit, and the configurations probed wrong on the
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List
 
 import torch
 
@@ -12,8 +12,11 @@ from ...prepare.inputs import AttentionInputs
 from ...selection.support import SOFTMAX_TYPES, BackendSupport, Reason, bias_thd_reasons
 from ..kernel_autograd import run_kernel
 from ..varlen import plan_varlen
+from .fp8 import run_fp8
+from .fp8_rules import fp8_reasons
 from .kernel import _CudnnKernel
 from .kv_cache import run_cudnn_kv_cache
+from .versions import cudnn_name as _cudnn_name, release as _release
 
 
 class FusedAttention(BackendSupport):
@@ -36,10 +39,9 @@ class FusedAttention(BackendSupport):
     SUPPORTS_RETURN_MAX_LOGIT = True
     NOTES = {
         "core_attention_bias_type": "cuDNN adds a bias after scaling only",
-        # Part 2 of issue 24 wires cudnn-frontend's sdpa_fp8 / sdpa_fp8_backward (bshd/sbhd; FE 1.22
-        # dropped FP8 THD on Hopper) from fp8.context.FP8Context.
-        "fp8": "FP8 not wired yet (cudnn-frontend's sdpa_fp8)",
     }
+    # cudnn-frontend's sdpa_fp8 / sdpa_fp8_backward (backends/cudnn/fp8.py); rules in fp8_rules.py.
+    FP8_SUPPORT = "yes"
     CP_COMM_TYPES = frozenset({"p2p", "all_gather", "a2a", "a2a+p2p"})
     KERNEL = _CudnnKernel  # the one kernel interface (context parallelism's ring and all-gather steps run on it)
     # KV caches (kv_cache.py): the ragged graph over the non-paged cache, cuDNN's paged SDPA over
@@ -61,11 +63,14 @@ class FusedAttention(BackendSupport):
             out.append(Reason("head_dim_v", f"{params.head_dim_v} with head_dim_qk=256 in thd", "256 with head_dim_qk=256 in thd"))
         return (out + _bottom_right_reasons(params) + _probed_backward_reasons(params) + bias_thd_reasons(params)
                 + _cudnn_feature_reasons(params)
-                + _sink_reasons(params, libs) + _max_logit_reasons(params, libs))
+                + _sink_reasons(params, libs) + _max_logit_reasons(params, libs) + fp8_reasons(params, libs))
 
     @staticmethod
     def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
-        """The output, or (output, max logit [H] float32) with ``inp.return_max_logit``."""
+        """The output, or (output, max logit [H] float32) with ``inp.return_max_logit``; FP8
+        calls (``inp.fp8``) run cuDNN's FP8 SDPA."""
+        if inp.fp8 is not None:
+            return run_fp8(inp, training)
         return run_kernel(_CudnnKernel, inp, plan_varlen(inp, always_lengths=True) if inp.is_thd else None, training)
 
 
@@ -73,14 +78,6 @@ SINK_MIN_CUDNN = 91300  # sink_token in sdpa and sdpa_backward
 SINK_THD_BACKWARD_MIN_CUDNN = 92600  # sink_token with ragged offsets in sdpa_backward
 SINK_MIN_FRONTEND = (1, 32)  # the frontend release sink_token / dSink_token were run with
 MAX_LOGIT_MIN_FRONTEND = (1, 32)  # the frontend release sdpa's score_max / score_sum_exp were run with
-
-
-def _release(version: Optional[str]) -> Tuple[int, ...]:
-    """(major, minor) of a version string such as "1.32.0"; (0,) where it cannot be read."""
-    try:
-        return tuple(int(part) for part in (version or "").split(".")[:2])
-    except ValueError:
-        return (0,)
 
 
 def _sink_reasons(params, libs) -> List[Reason]:
@@ -120,12 +117,6 @@ def _max_logit_reasons(params, libs) -> List[Reason]:
         out.append(Reason("return_max_logit", f"True with cudnn-frontend {libs.cudnn_frontend}",
                           "False, or cudnn-frontend >= 1.32 (the first release score_max was tested with here)"))
     return out
-
-
-def _cudnn_name(version: Optional[int]) -> str:
-    if version is None:
-        return "of unknown version"
-    return f"{version // 10000}.{version // 100 % 100}"
 
 
 def _bottom_right_reasons(params) -> List[Reason]:

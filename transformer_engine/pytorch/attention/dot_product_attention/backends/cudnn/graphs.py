@@ -183,7 +183,8 @@ def _ragged(g, name: str, b: int):
 def _dtype(dtype: torch.dtype):
     import cudnn
 
-    return {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16}[dtype]
+    return {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float32: cudnn.data_type.FLOAT,
+            torch.float8_e4m3fn: cudnn.data_type.FP8_E4M3, torch.float8_e5m2: cudnn.data_type.FP8_E5M2}[dtype]
 
 
 def _round64(n: int) -> int:

@@ -1,0 +1,109 @@
+"""The FP8 casts around cuDNN's FP8 SDPA: Q/K/V and dO into FP8 before the kernels, O and
+dQ/dK/dV back to the inputs' dtype after them.
+
+For one tensor ``x`` and its delayed-scaling quantizer ``q`` (:class:`...fp8.quantize.Quantizer`,
+whose scale is known before the cast), :func:`cast_fp8` is, with no host sync::
+
+    q.amax_buffer[q.slot] = max(q.amax_buffer[q.slot], max |x|)      # over valid rows (THD)
+    x8 = cast(clamp(float32(x) * q.scale, -fp8_max, fp8_max), q.dtype)
+
+the same numbers :func:`...fp8.quantize.fake_quantize` rounds to before it dequantizes, so
+cuDNN reads the bytes the CPU emulation computes with. On CUDA one Triton kernel does both
+(:mod:`.fp8_cast_kernel`) for a dense tensor; elsewhere (the CPU, strided views with holes)
+plain PyTorch does. The FP8 tensor keeps ``x``'s strides, so a declared packed buffer
+(``qkv_layer``) is cast ONCE and q/k/v are views of its FP8 copy (:func:`view_like`).
+:func:`dequantize` is ``float32(x8) * descale`` in the target dtype, as the emulation's.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+BLOCK = 2048
+MAX_PROGRAMS = 1024  # programs stride over the rest: at most this many atomics on one amax
+
+
+def fp8_like(t: torch.Tensor, dtype: torch.dtype, zeros: bool = False) -> torch.Tensor:
+    """An FP8 tensor with ``t``'s shape AND strides (a dense permuted layout stays dense)."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)
+    return out.zero_() if zeros else out
+
+
+def view_like(buf: torch.Tensor, base: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The view of ``buf`` (made by :func:`fp8_like` from ``base``) that ``t`` is of ``base``:
+    same shape, strides and element offset. Zero-copy: a view of a packed FP8 buffer."""
+    return buf.as_strided(t.shape, t.stride(), buf.storage_offset() + t.storage_offset() - base.storage_offset())
+
+
+def dequantize(x8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``float32(x8) * descale`` cast to ``dtype`` (``descale`` a 0-d float32 tensor)."""
+    return (x8.float() * descale).to(dtype)
+
+
+def cast_fp8(x: torch.Tensor, q, valid: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x`` in ``q.dtype`` (see the module docstring), written into ``out`` (default: a new
+    tensor with ``x``'s strides). ``valid`` ([x.shape[0]] bool): the rows that count (a THD
+    tensor's owned rows); the others set no amax and are written as 0."""
+    if out is None:
+        out = fp8_like(x, q.dtype)
+    if x.numel() == 0:
+        return out
+    if _triton_fits(x, out, valid):
+        _launch(x, out, q, valid)
+    else:
+        _cast_torch(x, out, q, valid)
+    return out
+
+
+def _cast_torch(x: torch.Tensor, out: torch.Tensor, q, valid: Optional[torch.Tensor]) -> None:
+    xf = x.detach().float()
+    if valid is not None:
+        xf = torch.where(valid.view(-1, *([1] * (x.dim() - 1))), xf, torch.zeros((), device=x.device))
+    q.amax_buffer[q.slot] = torch.maximum(q.amax_buffer[q.slot], xf.abs().amax())
+    out.copy_((xf * q.scale).clamp(-q.fp8_max, q.fp8_max).to(q.dtype))
+
+
+def _flat_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``numel`` consecutive storage slots (any dim order)."""
+    expected = 1
+    for stride, size in sorted(((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1), reverse=True)[::-1]:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _triton_fits(x: torch.Tensor, out: torch.Tensor, valid: Optional[torch.Tensor]) -> bool:
+    if x.device.type != "cuda" or out.stride() != x.stride() or not _flat_dense(x) or not _have_triton():
+        return False
+    # Valid rows are read as flat index // row_elems: dim 0 must be the outermost in memory.
+    return valid is None or x.stride(0) * x.shape[0] == x.numel()
+
+
+@functools.lru_cache(maxsize=None)
+def _have_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def _launch(x: torch.Tensor, out: torch.Tensor, q, valid: Optional[torch.Tensor]) -> None:
+    import triton
+
+    from .fp8_cast_kernel import cast_fp8 as kernel
+
+    n = x.numel()
+    flat_x = _flat(x)
+    rows = flat_x if valid is None else valid.view(torch.uint8)  # a pointer the kernel never reads without HAS_VALID
+    grid = (min(triton.cdiv(n, BLOCK), MAX_PROGRAMS),)
+    kernel[grid](flat_x, _flat(out), q.scale.reshape(1), q.amax_buffer[q.slot:q.slot + 1], rows, n,
+                 x.stride(0) if valid is not None else 1, FP8_MAX=q.fp8_max, HAS_VALID=valid is not None, BLOCK=BLOCK)
