@@ -126,6 +126,8 @@ def patch_stages(clock: StageClock) -> None:
         clock.patch(owner, "run_kernel", "run_kernel")
     clock.patch(kernel_autograd, "module_problem", "plan + problem")
     clock.patch(kernel_autograd._KernelAttention, "apply", "autograd Function")
+    if getattr(kernel_autograd, "_C_APPLY", None) is not None:  # the C entry eager calls take
+        clock.patch(kernel_autograd, "_C_APPLY", "autograd Function")
     clock.patch(kernel_autograd._KernelAttention, "backward", "autograd Function")
     clock.patch(kernel_autograd.KernelCall, "forward", "kernel fwd/bwd")
     for cls in (fa4._FA4Kernel, kernel._CudnnKernel):

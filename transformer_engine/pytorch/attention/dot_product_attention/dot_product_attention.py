@@ -158,7 +158,8 @@ class DotProductAttention(torch.nn.Module):
         """
         if fp8_output:
             raise NotImplementedError("fp8_output is not implemented; pass False")
-        check_num_splits(num_splits)
+        if num_splits is not None:
+            check_num_splits(num_splits)
         fp8 = fp8_call_context(self, (query_layer, qkv_layer))  # None unless an FP8 region asks for FP8 attention
         layers = (query_layer, key_layer, value_layer, qkv_layer, kv_layer)
         if inference_params is not None:
@@ -187,7 +188,7 @@ class DotProductAttention(torch.nn.Module):
             inp = recipe.inputs(self, layers, cus, max_seqlens, _packed_seqs, attn_mask_type_per_seq, thd_sequence_is_causal,
                                 num_splits, fp8)
             fmt, backend = recipe.qkv_format, recipe.selection.backend
-            object.__setattr__(self, "last_selection", recipe.selection)
+            self.__dict__["last_selection"] = recipe.selection  # past nn.Module.__setattr__ (see _select)
         else:
             fmt = check_format(qkv_format if qkv_format is not None else self.qkv_format)
             qkv = resolve_qkv(*layers, qkv_interleave_dim, fmt)
@@ -264,7 +265,7 @@ class DotProductAttention(torch.nn.Module):
 
     def _dropout_rng(self):
         if self.get_rng_state_tracker is None or self.sequence_parallel or not (self.training and self.attention_dropout > 0):
-            return contextlib.nullcontext()
+            return _NO_FORK
         return self.get_rng_state_tracker().fork()
 
     def _select(self, params: AttentionParams):
@@ -279,6 +280,9 @@ class DotProductAttention(torch.nn.Module):
     # TE's checkpoint entry ``_extra_state`` (FP8 state; empty without FP8): see extra_state.py.
     get_extra_state, set_extra_state = extra_state.get_extra_state, extra_state.set_extra_state
     _load_from_state_dict = extra_state.load_from_state_dict
+
+
+_NO_FORK = contextlib.nullcontext()  # reentrant and stateless: one for every call without a tracker fork
 
 
 def _add_softmax_offset(module: torch.nn.Module, softmax_type: str, heads: int, get_rng_state_tracker) -> None:
