@@ -25,8 +25,10 @@ from .masks import AttnMaskType, normalize_window
 from .prepare.packed_qkv import resolve_qkv
 from .selection.params import AttentionParams, params_key
 from .prepare.call import PackedSides, prepare, selection_params
+from .prepare.inputs import AttentionInputs
 from .prepare.kv_cache import kv_call_key, kv_output, prepare_kv_call, reject_with_kv_cache
 from .selection.support import SOFTMAX_TYPES
+from .selection.autotune import tuned
 from .selection.backend_selection import BACKENDS_BY_LABEL, chosen_backend_label, require_backend
 from .prepare.validation import check_format, check_kv_channels, check_num_splits, check_softmax_scale
 
@@ -197,8 +199,8 @@ class DotProductAttention(torch.nn.Module):
                           per_seq=attn_mask_type_per_seq, is_causal=thd_sequence_is_causal,
                           bottom_right_diagonal=bottom_right_diagonal, bias_type=core_attention_bias_type,
                           bias=core_attention_bias, alibi_slopes=alibi_slopes, packed=_packed_seqs, num_splits=num_splits, fp8=fp8)
-            backend = self._select(selection_params(self, inp, fmt, qkv.layout))
-            if key is not None:
+            backend = self._select(selection_params(self, inp, fmt, qkv.layout), inp)
+            if key is not None and not self.last_selection.provisional:
                 by_ids = None if attn_mask_type_per_seq is None and thd_sequence_is_causal is None else attn_mask_type_per_seq is not None
                 remember(self._recipes, key, recipe_of(inp, self.last_selection, fmt, qkv, qkv_interleave_dim, by_ids))
         with self._dropout_rng():
@@ -268,10 +270,14 @@ class DotProductAttention(torch.nn.Module):
             return _NO_FORK
         return self.get_rng_state_tracker().fork()
 
-    def _select(self, params: AttentionParams):
+    def _select(self, params: AttentionParams, inp: Optional[AttentionInputs] = None):
+        """The backend for ``params``; with ``inp`` (an ordinary call, not context parallelism)
+        measured among the accepting ones where NVTE_ATTN_AUTOTUNE asks (:mod:`.selection.autotune`)."""
         if compiling():
             return BACKENDS_BY_LABEL[chosen_backend_label(params_key(params))]
         selection = require_backend(params)
+        if inp is not None:
+            selection = tuned(selection, params, inp, self.training)
         # What ran, and why not the others (for reports). Set past nn.Module.__setattr__, which
         # costs microseconds per call looking for parameters and submodules.
         object.__setattr__(self, "last_selection", selection)

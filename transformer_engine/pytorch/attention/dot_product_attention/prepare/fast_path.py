@@ -34,6 +34,7 @@ from .policies import PolicyRecipe
 from .call import PackedSides, bshd_views
 from .packed_seqs import checked_or_safe, packed_side, validation_enabled
 from ..environment import compiling, env_snapshot
+from ..selection.autotune import key_part as autotune_key
 from .layouts import stride_rules_out_packing
 
 # A module meets few distinct signatures (one per layer shape and mode); a full cache is
@@ -219,7 +220,8 @@ def call_key(module, qkv_format, layers, interleave_dim, cus, max_seqlens, attn_
                 module.num_attention_heads_per_partition, module.num_gqa_groups_per_partition, module.head_dims,
                 module.softmax_type, module.return_max_logit, sink is not None and sink.requires_grad)
     return (fmt, facts, interleave_dim, thd, attn_mask_type, window_size, bottom_right_diagonal, settings,
-            torch.is_grad_enabled(), env_snapshot(), None if fp8 is None else fp8.key)
+            torch.is_grad_enabled(), env_snapshot(), None if fp8 is None else fp8.key,
+            autotune_key(cus[0] if fmt == "thd" else None))
 
 
 def _exact_window(window) -> bool:
