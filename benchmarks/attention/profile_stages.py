@@ -26,6 +26,7 @@ heads, and the 32k batch (14 sequences of 512-4096, d128, 16 heads).
   python benchmarks/attention/profile_stages.py                     # GPU: real kernels (FA4, cuDNN)
   python benchmarks/attention/profile_stages.py --cpu-noop          # CPU: stand-in libraries that do nothing
   python benchmarks/attention/profile_stages.py --json OUT.json --shapes short-gqa --backends fa4
+  python benchmarks/attention/profile_stages.py --compare before1.json,before2.json after1.json,after2.json
 
 With ``--cpu-noop`` the libraries are stand-ins (FA4's interface module and cuDNN's graph
 execution return at once, the gap-row launches are no-ops: their own Python is excluded), the
@@ -121,6 +122,8 @@ def patch_stages(clock: StageClock) -> None:
     clock.patch(packed_seqs, "made_safe", "metadata kernels")
     clock.patch(packed_seqs.PackedSeqs, "seqlens", "metadata kernels")
     clock.patch(graphs, "metadata_pack", "metadata kernels")
+    if hasattr(kernel, "_offsets64"):  # cuDNN's int64 offsets, once per forward
+        clock.patch(kernel, "_offsets64", "metadata kernels")
     for owner in (fa4, declaration):
         clock.patch(owner, "plan_varlen", "plan + problem")
         clock.patch(owner, "run_kernel", "run_kernel")
@@ -320,6 +323,43 @@ def table(shape: Shape, results: Dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def _merged(paths: List[str]) -> dict:
+    """Several runs' JSON as one: each number the least over the runs (other processes on a
+    shared machine only ever add time)."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f)["shapes"])
+    merged = json.loads(json.dumps(runs[0]))
+    for name, shape in merged.items():
+        for backend, res in shape["results"].items():
+            for key in ("fwd", "bwd", "total"):
+                for stage in res[key]:
+                    res[key][stage] = min(r[name]["results"][backend][key].get(stage, float("inf")) for r in runs)
+    return merged
+
+
+def compare(before: List[str], after: List[str]) -> str:
+    """Per shape, each stage before -> after (us per call; the least over each side's runs)."""
+    old, new = _merged(before), _merged(after)
+    out = []
+    for name, shape in new.items():
+        cols = [(b, p) for b in shape["results"] for p in ("fwd", "bwd")]
+        lines = [f"**{shape['shape']}**, before -> after (us per call)", "",
+                 "| stage | " + " | ".join(f"{LABELS[b]} {p}" for b, p in cols) + " |", "|---|" + "---:|" * len(cols)]
+        for stage in list(FWD_STAGES) + [s for s in BWD_STAGES if s not in FWD_STAGES]:
+            cells = []
+            for b, p in cols:
+                was, now = (side[name]["results"][b][p].get(stage) for side in (old, new))
+                cells.append("-" if was is None and now is None else f"{_cell(was)} -> {_cell(now)}")
+            if any(c != "-" for c in cells):
+                lines.append(f"| {stage} | " + " | ".join(cells) + " |")
+        lines.append("| **DPA, uninstrumented** | " + " | ".join(
+            f"**{_cell(old[name]['results'][b]['total'][p])} -> {_cell(shape['results'][b]['total'][p])}**" for b, p in cols) + " |")
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu-noop", action="store_true", help="CPU with stand-in libraries that do nothing")
@@ -328,7 +368,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=100, help="calls per round and measurement")
     ap.add_argument("--json", default=None, help="also write the numbers here")
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
+                    help="print before -> after tables from two sets of --json files (comma-separated), and exit")
     args = ap.parse_args()
+    if args.compare:
+        print(compare(args.compare[0].split(","), args.compare[1].split(",")))
+        return
     if not args.cpu_noop and not torch.cuda.is_available():
         ap.error("no CUDA device: pass --cpu-noop to profile the host path with stand-in libraries")
     device = "cpu" if args.cpu_noop else "cuda"

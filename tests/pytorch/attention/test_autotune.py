@@ -188,11 +188,14 @@ def test_buckets_round_token_sequence_and_dense_counts_to_powers_of_two():
         assert key(replace(THD, **change)) != base, change
 
 
-def test_a_bucket_is_timed_once_and_its_choice_reused(timings):
+def test_a_bucket_is_timed_once_and_its_choice_reused(timings, monkeypatch):
     assert _tuned(THD, rows=20000).label == CUDNN and len(timings.asked) == 4
     assert _tuned(replace(THD, batch_size=100), rows=30000).label == CUDNN and len(timings.asked) == 4  # same bucket
     _tuned(THD, rows=40000)
     assert len(timings.asked) == 8  # the next token bucket is timed on its own
+    monkeypatch.setenv("NVTE_ATTN_AUTOTUNE", "gpu")
+    _tuned(THD, rows=20000)
+    assert len(timings.asked) == 12  # another timing mode: its own choice
 
 
 def test_the_cache_file_carries_choices_to_another_process(timings, monkeypatch, tmp_path):

@@ -135,14 +135,15 @@ def tuned(selection: BackendSelection, params: AttentionParams, inp, training: b
     labels = candidates(selection)
     if len(labels) < 2:
         return selection
-    key = bucket(params, inp.q.shape[0] if params.qkv_format == "thd" else inp.q.shape[0] * inp.q.shape[1], inp.q.device)
+    rows = inp.q.shape[0] if params.qkv_format == "thd" else inp.q.shape[0] * inp.q.shape[1]
+    key = f"{how}:{bucket(params, rows, inp.q.device)}"  # each timing mode keeps its own choices
     choice = _recorded(key)
     winner = None if choice is None else choice.fastest(labels)
     if winner is None:
         if inp.q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return dataclasses.replace(selection, how="fixed preference order (a bucket's first call under CUDA-graph "
                                                       "capture is not timed)", provisional=True)
-        times = dict(choice.times_ms) if choice is not None and choice.mode == how else {}
+        times = dict(choice.times_ms) if choice is not None else {}
         for label in labels:
             if label not in times:
                 times[label] = measure(BACKENDS_BY_LABEL[label], inp, training, how)
