@@ -47,7 +47,7 @@ import torch
 
 from ..environment import ALLOW_NONDETERMINISTIC, AUTOTUNE, AUTOTUNE_CACHE, compiling
 from .backend_selection import BACKENDS_BY_LABEL, BackendSelection
-from .params import AttentionParams, params_key
+from .params import _KEY_FIELDS, AttentionParams, params_key
 
 MODES = {"1": "eager", "eager": "eager", "gpu": "gpu"}
 REPEATS = 5
@@ -104,8 +104,8 @@ def key_part(cu_seqlens_q: Optional[torch.Tensor]) -> Optional[tuple]:
 
 def bucket(params: AttentionParams, rows: int, device: torch.device) -> str:
     """The bucket of a call (see the module docstring) as JSON text, the cache's key."""
-    values = dict(zip((f.name for f in dataclasses.fields(AttentionParams)), params_key(params)))
-    values["qkv_dtype"] = str(values["qkv_dtype"]).replace("torch.", "")
+    values = {name: value if isinstance(value, (str, int, float, bool, tuple, type(None))) else _name(value)
+              for name, value in zip((f.name for f in _KEY_FIELDS), params_key(params))}
     values["batch_size"] = _pow2(params.batch_size)
     thd = params.qkv_format == "thd"
     # THD max_seqlen is neither a token nor a sequence count: left out (dense lengths are shapes).
@@ -113,6 +113,11 @@ def bucket(params: AttentionParams, rows: int, device: torch.device) -> str:
     values["max_seqlen_kv"] = None if thd else _pow2(params.max_seqlen_kv)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     return json.dumps(dict(device=name, rows=_pow2(rows), **values), sort_keys=True)
+
+
+def _name(value) -> str:
+    """A non-JSON fact (a dtype, TE's qkv_type class) by name."""
+    return getattr(value, "__name__", None) or str(value).replace("torch.", "")
 
 
 def _pow2(n: int) -> int:
