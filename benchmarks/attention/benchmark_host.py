@@ -154,7 +154,8 @@ def measure_pair(results: Results, batch: Batch, lib: str, with_bwd: bool) -> No
     tag = "fwd+bwd" if with_bwd else "fwd"
     direct_make = fa4_call if lib == "FA4" else cudnn_call
     with Env(ONLY[lib]):
-        paths = {"direct": step(direct_make, batch, with_bwd), "DPA": step(dpa_call, batch, with_bwd)}
+        leaves = batch.leaves()  # the same tensors for both (graph captures below take fresh ones)
+        paths = {"direct": step(direct_make, batch, with_bwd, leaves), "DPA": step(dpa_call, batch, with_bwd, leaves)}
         for fn in paths.values():
             synced_ms(fn, 3)  # warm up: JIT compiles, graph builds, the fast path's recipe
         eager: Dict[str, List[float]] = {name: [] for name in paths}

@@ -16,6 +16,7 @@ Used by ``profile_stages.py``; kept apart so the patching can be read on its own
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import defaultdict
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -58,8 +59,10 @@ class StageClock:
                     stack[-1][1] += elapsed
                     stack[-1][2] += 1
 
-        wrapper.__wrapped__ = fn
-        return wrapper
+        # The wrapped function's attributes come along (shared objects): FA4's entries read their
+        # compile caches through their own module-level name (``_flash_attn_fwd.compile_cache``),
+        # which is the wrapper while patched.
+        return functools.update_wrapper(wrapper, fn)
 
     def run(self, stage: str, fn: Callable, *args):
         """Call ``fn`` as the outermost stage ``stage`` (what no inner stage claims lands here)."""

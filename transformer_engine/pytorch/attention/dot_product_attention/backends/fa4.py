@@ -23,7 +23,7 @@ from ..selection.libraries import compute_capability
 from ..selection.support import SOFTMAX_TYPES, Reason
 from . import kernel_ops
 from .fa4_kv import run_fa4_kv_cache
-from .flash_common import FlashAttention, fa_mask_args
+from .flash_common import FlashAttention, mask_args
 from .kernel_autograd import run_kernel
 from .varlen import plan_varlen
 
@@ -274,7 +274,7 @@ class _FA4Kernel:
         for run in problem.runs:
             # The sink is always passed (None without one): a traced custom op needs every
             # argument its schema names, the mutated ones above all (dsink in the backward).
-            fwd(q, k, v, out, lse, *_run_args(problem, run), problem.softmax_scale, *fa_mask_args(run.spec),
+            fwd(q, k, v, out, lse, *_run_args(problem, run), problem.softmax_scale, *mask_args(run.spec),
                 learnable_sink=features.sink, num_splits=problem.num_splits)
         if problem.rows_q is not None:
             kernel_ops.ops.zero_gap_rows(out, *problem.rows_q, -1)
@@ -292,7 +292,7 @@ class _FA4Kernel:
         bwd = kernel_ops.ops.fa4_bwd if dsink is None else kernel_ops.ops.fa4_bwd_sink
         for run in problem.runs:
             args = (dout, q, k, v, out, stats[0], dq, dk, dv, *_run_args(problem, run), problem.softmax_scale,
-                    *fa_mask_args(run.spec), det)
+                    *mask_args(run.spec), det)
             if dsink is None:
                 bwd(*args)
             else:
