@@ -32,6 +32,8 @@ run_file test_dot_product_attention.py
 run_file test_fast_path.py
 run_file test_backend_selection.py
 run_file test_backend_scope.py
+run_file test_autotune.py
+run_file test_gpu_autotune.py
 run_file test_validation.py
 run_file test_pad_between_seqs.py
 run_file test_per_seq_policy.py

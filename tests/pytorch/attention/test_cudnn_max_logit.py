@@ -99,6 +99,7 @@ def emulated_graphs(monkeypatch):
         built.append(("bwd", False))
         return _EmulatedGraph("bwd", b, sq, skv, band, varlen)
 
+    graphs.band.cache_clear()  # masks cached with the real band_kwargs (or another stand-in) must not answer
     monkeypatch.setattr(graphs, "band_kwargs", lambda causal, left, right, bottom_right: dict(
         causal=causal, left=left, right=right, bottom_right=bottom_right))
     monkeypatch.setattr(graphs, "build_fwd", build_fwd)
@@ -109,6 +110,7 @@ def emulated_graphs(monkeypatch):
     torch.use_deterministic_algorithms(True)
     yield built
     torch.use_deterministic_algorithms(was)
+    graphs.band.cache_clear()
 
 
 def _max_logit_parity(inputs, kwargs, grad=True, **module_kwargs):

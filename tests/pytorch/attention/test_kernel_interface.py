@@ -243,7 +243,9 @@ def test_span_call_arguments(lib, mask, fa, cudnn):
     out, lse = KERNELS["FusedAttention"].forward(q, k, v, qs, ks, mask, SCALE)
     KERNELS["FusedAttention"].backward(dout, q, k, v, out, lse, qs, ks, mask, SCALE)
     (fwd,), (bwd,) = lib.of("cudnn_fwd"), lib.of("cudnn_bwd")
-    assert fwd["off_q"] is qs.offsets and fwd["off_kv"] is ks.offsets
+    # cuDNN's offsets arrive as int64 (its ragged offsets are int64; see the module path below).
+    assert torch.equal(fwd["off_q"], qs.offsets.long()) and torch.equal(fwd["off_kv"], ks.offsets.long())
+    assert fwd["off_q"].dtype == torch.int64
     assert fwd["len_q"] is qs.lengths and fwd["len_kv"] is ks.lengths
     assert (fwd["b"], fwd["max_q"], fwd["max_kv"], fwd["mask"]) == (3, 6, 9, cudnn)
     # The stats handed back: [B, H, SQ, 1] by position, the forward's at every valid position.
@@ -292,8 +294,9 @@ def test_module_thd_cudnn_runs(lib, gaps, policies):
     assert len(fwds) == len(bwds) == (2 if policies else 1)
     offsets = p.off_q if gaps else p.cu_q
     for fwd, bwd in zip(fwds, bwds):
-        assert torch.equal(fwd["off_q"], offsets) and fwd["b"] == 3 and (fwd["max_q"], fwd["max_kv"]) == (6, 6)
-        assert bwd["len_q"] is fwd["len_q"] and bwd["len_kv"] is fwd["len_kv"]  # made once per forward
+        assert torch.equal(fwd["off_q"], offsets.long()) and fwd["b"] == 3 and (fwd["max_q"], fwd["max_kv"]) == (6, 6)
+        # Made once per forward, reused by the backward: lengths and the int64 offsets.
+        assert bwd["len_q"] is fwd["len_q"] and bwd["len_kv"] is fwd["len_kv"] and bwd["off_q"] is fwd["off_q"]
     lengths = {True: [5, 3, 6]} if not policies else {True: [5, 0, 6], False: [0, 3, 0]}  # by causal
     assert {f["mask"][0]: f["len_q"].tolist() for f in fwds} == lengths
 

@@ -25,8 +25,10 @@ from .masks import AttnMaskType, normalize_window
 from .prepare.packed_qkv import resolve_qkv
 from .selection.params import AttentionParams, params_key
 from .prepare.call import PackedSides, prepare, selection_params
+from .prepare.inputs import AttentionInputs
 from .prepare.kv_cache import kv_call_key, kv_output, prepare_kv_call, reject_with_kv_cache
 from .selection.support import SOFTMAX_TYPES
+from .selection.autotune import tuned
 from .selection.backend_selection import BACKENDS_BY_LABEL, chosen_backend_label, require_backend
 from .prepare.validation import check_format, check_kv_channels, check_num_splits, check_softmax_scale
 
@@ -158,7 +160,8 @@ class DotProductAttention(torch.nn.Module):
         """
         if fp8_output:
             raise NotImplementedError("fp8_output is not implemented; pass False")
-        check_num_splits(num_splits)
+        if num_splits is not None:
+            check_num_splits(num_splits)
         fp8 = fp8_call_context(self, (query_layer, qkv_layer))  # None unless an FP8 region asks for FP8 attention
         layers = (query_layer, key_layer, value_layer, qkv_layer, kv_layer)
         if inference_params is not None:
@@ -187,7 +190,7 @@ class DotProductAttention(torch.nn.Module):
             inp = recipe.inputs(self, layers, cus, max_seqlens, _packed_seqs, attn_mask_type_per_seq, thd_sequence_is_causal,
                                 num_splits, fp8)
             fmt, backend = recipe.qkv_format, recipe.selection.backend
-            object.__setattr__(self, "last_selection", recipe.selection)
+            self.__dict__["last_selection"] = recipe.selection  # past nn.Module.__setattr__ (see _select)
         else:
             fmt = check_format(qkv_format if qkv_format is not None else self.qkv_format)
             qkv = resolve_qkv(*layers, qkv_interleave_dim, fmt)
@@ -196,8 +199,8 @@ class DotProductAttention(torch.nn.Module):
                           per_seq=attn_mask_type_per_seq, is_causal=thd_sequence_is_causal,
                           bottom_right_diagonal=bottom_right_diagonal, bias_type=core_attention_bias_type,
                           bias=core_attention_bias, alibi_slopes=alibi_slopes, packed=_packed_seqs, num_splits=num_splits, fp8=fp8)
-            backend = self._select(selection_params(self, inp, fmt, qkv.layout))
-            if key is not None:
+            backend = self._select(selection_params(self, inp, fmt, qkv.layout), inp)
+            if key is not None and not self.last_selection.provisional:
                 by_ids = None if attn_mask_type_per_seq is None and thd_sequence_is_causal is None else attn_mask_type_per_seq is not None
                 remember(self._recipes, key, recipe_of(inp, self.last_selection, fmt, qkv, qkv_interleave_dim, by_ids))
         with self._dropout_rng():
@@ -264,13 +267,17 @@ class DotProductAttention(torch.nn.Module):
 
     def _dropout_rng(self):
         if self.get_rng_state_tracker is None or self.sequence_parallel or not (self.training and self.attention_dropout > 0):
-            return contextlib.nullcontext()
+            return _NO_FORK
         return self.get_rng_state_tracker().fork()
 
-    def _select(self, params: AttentionParams):
+    def _select(self, params: AttentionParams, inp: Optional[AttentionInputs] = None):
+        """The backend for ``params``; with ``inp`` (an ordinary call, not context parallelism)
+        measured among the accepting ones where NVTE_ATTN_AUTOTUNE asks (:mod:`.selection.autotune`)."""
         if compiling():
             return BACKENDS_BY_LABEL[chosen_backend_label(params_key(params))]
         selection = require_backend(params)
+        if inp is not None:
+            selection = tuned(selection, params, inp, self.training)
         # What ran, and why not the others (for reports). Set past nn.Module.__setattr__, which
         # costs microseconds per call looking for parameters and submodules.
         object.__setattr__(self, "last_selection", selection)
@@ -279,6 +286,9 @@ class DotProductAttention(torch.nn.Module):
     # TE's checkpoint entry ``_extra_state`` (FP8 state; empty without FP8): see extra_state.py.
     get_extra_state, set_extra_state = extra_state.get_extra_state, extra_state.set_extra_state
     _load_from_state_dict = extra_state.load_from_state_dict
+
+
+_NO_FORK = contextlib.nullcontext()  # reentrant and stateless: one for every call without a tracker fork
 
 
 def _add_softmax_offset(module: torch.nn.Module, softmax_type: str, heads: int, get_rng_state_tracker) -> None:

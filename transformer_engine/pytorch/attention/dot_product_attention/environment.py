@@ -8,7 +8,9 @@ What changes while torch.compile traces (:func:`compiling`), each decided where 
 backend selection is made once, while tracing (``selection.chosen_backend_label``); the fast
 path is off (``fast_path.call_key``); values are never read (``thd.value_checks_on``); the
 kernels are called as registered ops (``backends.kernel_ops``); the NaN guard works on copies
-(``backends.varlen``); the unfused THD path runs gathered, not per sequence (``unfused``).
+(``backends.varlen``); the unfused THD path runs gathered, not per sequence (``unfused``); the
+autograd Function is entered through its public ``apply`` (``backends.kernel_autograd``);
+autotune is not consulted (``selection.autotune``).
 """
 
 from __future__ import annotations
@@ -78,6 +80,12 @@ FP8_DPA_BWD = Switch("NVTE_FP8_DPA_BWD")
 DPA_FP8DS_AMAX_HISTLEN = Switch("NVTE_DPA_FP8DS_AMAX_HISTLEN")
 DPA_FP8DS_AMAX_ALGO = Switch("NVTE_DPA_FP8DS_AMAX_ALGO")
 DPA_FP8DS_REDUCE_AMAX = Switch("NVTE_DPA_FP8DS_REDUCE_AMAX")
+# Opt-in choice of the fastest accepting library per shape (selection/autotune.py): "1" (or
+# "eager") times each call as an eager call, "gpu" times GPU work alone; optionally kept in a
+# JSON file. TE's NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (deterministic mode) turns it off.
+AUTOTUNE = Switch("NVTE_ATTN_AUTOTUNE")
+AUTOTUNE_CACHE = Switch("NVTE_ATTN_AUTOTUNE_CACHE")
+ALLOW_NONDETERMINISTIC = Switch("NVTE_ALLOW_NONDETERMINISTIC_ALGO")
 
 # The switches that decide backend selection (the debug switches last).
 _SELECTION_KEYS = (

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -23,7 +23,7 @@ from ..selection.libraries import compute_capability
 from ..selection.support import SOFTMAX_TYPES, Reason
 from . import kernel_ops
 from .fa4_kv import run_fa4_kv_cache
-from .flash_common import FlashAttention, fa_mask_args
+from .flash_common import FlashAttention, mask_args
 from .kernel_autograd import run_kernel
 from .varlen import plan_varlen
 
@@ -270,29 +270,33 @@ class _FA4Kernel:
         if need_lse:  # without it FA4 runs its inference variant (no LSE store)
             shape = (q.shape[-2], q.shape[0]) if problem.varlen else (q.shape[0], q.shape[2], q.shape[1])
             lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+        fwd = kernel_ops.ops.fa4_fwd
         for run in problem.runs:
             # The sink is always passed (None without one): a traced custom op needs every
             # argument its schema names, the mutated ones above all (dsink in the backward).
-            kernel_ops.ops.fa4_fwd(q, k, v, out, lse, *_run_args(problem, run), problem.softmax_scale, *_mask_args(run),
-                                   learnable_sink=features.sink, num_splits=problem.num_splits)
+            fwd(q, k, v, out, lse, *_run_args(problem, run), problem.softmax_scale, *mask_args(run.spec),
+                learnable_sink=features.sink, num_splits=problem.num_splits)
         if problem.rows_q is not None:
             kernel_ops.ops.zero_gap_rows(out, *problem.rows_q, -1)
         return out, [lse]
 
     @staticmethod
     def backward(dout, q, k, v, out, stats, problem: KernelProblem, features: ScoreFeatures, need_dbias: bool):
-        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         # Each policy's run adds the sum over its own rows into dsink (FA4 reduces
         # -exp(sink - lse) * rowsum(dO * O) over the rows it runs).
         dsink = None if features.sink is None else torch.zeros_like(features.sink)
         det = torch.are_deterministic_algorithms_enabled()
+        bwd = kernel_ops.ops.fa4_bwd if dsink is None else kernel_ops.ops.fa4_bwd_sink
         for run in problem.runs:
             args = (dout, q, k, v, out, stats[0], dq, dk, dv, *_run_args(problem, run), problem.softmax_scale,
-                    *_mask_args(run), det)
+                    *mask_args(run.spec), det)
             if dsink is None:
-                kernel_ops.ops.fa4_bwd(*args)
+                bwd(*args)
             else:
-                kernel_ops.ops.fa4_bwd_sink(*args, features.sink, dsink)
+                bwd(*args, features.sink, dsink)
         if problem.rows_q is not None:
             kernel_ops.ops.zero_gap_rows_qkv(dq, dk, dv, *problem.rows_q, *problem.rows_kv, -1)
         return dq, dk, dv, None, dsink
@@ -310,11 +314,6 @@ class _FA4Kernel:
 def _run_args(problem: KernelProblem, run: KernelRun) -> tuple:
     """cu_seqlens_q/kv, seqused_q/kv, max_seqlen_q/kv of one run (fa4_fwd's and fa4_bwd's order)."""
     return (run.offsets_q, run.offsets_kv, run.seqused_q, run.seqused_kv, problem.max_seqlen_q, problem.max_seqlen_kv)
-
-
-def _mask_args(run: KernelRun) -> Tuple[bool, int, int]:
-    """causal, window_left, window_right of one run: the mask arguments of every FA4 op call."""
-    return fa_mask_args(run.spec)
 
 
 FlashAttentionV4.KERNEL = _FA4Kernel  # the declaration names its kernel interface (defined after the class)

@@ -12,9 +12,18 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from .kernel_problem import KernelProblem, KernelRun, ScoreFeatures
+from .kernel_problem import NO_FEATURES, KernelProblem, KernelRun, ScoreFeatures
+from ..environment import compiling
 from ..prepare.inputs import AttentionInputs
 from .varlen import VarlenPlan, gap_guard, packed_rows, zero_spill_rows, zero_spill_rows_in_place
+
+
+def _features(bias, alibi: bool, dropout_p: float, rng, sink, need_dsink: bool = False, max_logit=None) -> ScoreFeatures:
+    """The call's score features; the shared empty record where there are none (most calls:
+    one object less to build per forward and backward)."""
+    if bias is None and sink is None and rng is None and max_logit is None and not alibi and not dropout_p:
+        return NO_FEATURES
+    return ScoreFeatures(bias, alibi, dropout_p, rng, sink, need_dsink=need_dsink, max_logit=max_logit)
 
 
 def _draw_rng(device: torch.device) -> torch.Tensor:
@@ -43,7 +52,7 @@ class KernelCall:
             q, k, v = zero_spill_rows(self.problem.rows_q, self.problem.rows_kv, *(t.clone() for t in (q, k, v)))
         rng = _draw_rng(q.device) if self.dropout_p > 0 else None
         max_logit = torch.full((q.shape[-2],), float("-inf"), dtype=torch.float32, device=q.device) if self.max_logit else None
-        features = ScoreFeatures(bias, self.alibi, self.dropout_p, rng, sink, max_logit=max_logit)
+        features = _features(bias, self.alibi, self.dropout_p, rng, sink, max_logit=max_logit)
         out, stats = self.kernel.forward(q, k, v, self.problem, features, self.need_stats)
         if max_logit is not None:
             # Nothing scored (no key anywhere) gives float32's lowest value, as the unfused
@@ -71,12 +80,20 @@ class _KernelAttention(torch.autograd.Function):
         q, k, v, out, bias, rng, sink, *stats = ctx.saved_tensors
         call = ctx.call
         dout = dout if dout.stride() == out.stride() else dout.contiguous()
-        features = ScoreFeatures(bias, call.alibi, call.dropout_p, rng, sink, need_dsink=ctx.needs_input_grad[4])
+        features = _features(bias, call.alibi, call.dropout_p, rng, sink, need_dsink=ctx.needs_input_grad[4])
         dq, dk, dv, dbias, dsink = call.kernel.backward(dout, q, k, v, out, stats, call.problem, features,
                                                         ctx.needs_input_grad[3])
         if not ctx.needs_input_grad[4]:
             dsink = None
         return dq, dk, dv, dbias, dsink, None  # nothing for ``call``
+
+
+# autograd.Function's C entry bound to _KernelAttention. Eager calls outside functorch transforms
+# take it: ``Function.apply``'s Python layer only adds functorch's handling there (unwrapping
+# dead wrappers, binding defaults for setup_context), about 2.4 us a call on a CPU core. Under
+# torch.compile and functorch the public apply runs, as they expect.
+_C_APPLY = getattr(torch._C._FunctionBase, "__dict__", {}).get("apply")
+_C_APPLY = _C_APPLY.__get__(None, _KernelAttention) if _C_APPLY is not None else None
 
 
 def run_kernel(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan],
@@ -86,25 +103,28 @@ def run_kernel(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan],
     guard = gap_guard(plan, kernel)
     if guard == "inplace":
         zero_spill_rows_in_place(inp)
-    bias = _kernel_bias(inp)
+    q, k, v = inp.q, inp.k, inp.v
+    bias = _kernel_bias(inp) if inp.bias_type == "post_scale_bias" else None
     # The sink logits in float32 (what FA4 and cuDNN take), [H]; the cast keeps the gradient path.
     sink = None if inp.softmax_type == "vanilla" else inp.softmax_offset.reshape(-1).float().contiguous()
     # Without gradients FA4 may skip its log-sum-exp (``needs_input_grad`` ignores no_grad).
-    need_stats = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (inp.q, inp.k, inp.v, bias, sink))
+    need_stats = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                              or (bias is not None and bias.requires_grad)
+                                              or (sink is not None and sink.requires_grad))
     max_logit = inp.return_max_logit and kernel.RETURNS_MAX_LOGIT
     call = KernelCall(kernel, module_problem(inp, plan), guard, need_stats, inp.bias_type == "alibi",
                       inp.dropout_p if training else 0.0, max_logit)
     if not need_stats:  # nothing to differentiate: skip autograd.Function.apply (~10 us of host time)
-        _, _, _, out, _, _, top = call.forward(inp.q, inp.k, inp.v, bias, sink)
+        _, _, _, out, _, _, top = call.forward(q, k, v, bias, sink)
         return (out, top) if max_logit else out
-    return _KernelAttention.apply(inp.q, inp.k, inp.v, bias, sink, call)
+    if _C_APPLY is None or compiling() or torch._C._are_functorch_transforms_active():
+        return _KernelAttention.apply(q, k, v, bias, sink, call)
+    return _C_APPLY(q, k, v, bias, sink, call)
 
 
 def _kernel_bias(inp: AttentionInputs) -> Optional[torch.Tensor]:
     """The post-scale bias as the kernels take it: the inputs' dtype, contiguous, and a
     [1, 1, 1, SKV] row expanded over the queries (autograd sums dBias back into the row)."""
-    if inp.bias_type != "post_scale_bias":
-        return None
     bias = inp.bias.to(inp.q.dtype)
     if bias.shape[2] != inp.q.shape[1]:
         bias = bias.expand(1, 1, inp.q.shape[1], bias.shape[3])

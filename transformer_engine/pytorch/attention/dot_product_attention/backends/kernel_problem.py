@@ -20,8 +20,8 @@ per span call).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -39,7 +39,11 @@ class KernelRun:
     for a dense problem); ``seqused_*`` the [B] int32 valid lengths (None: up to the next
     offset for varlen, the whole S for dense; the module's plans give cuDNN lengths always, as
     its ragged graphs read them). Sequences of other policies have length 0, or,
-    in a compacted call, are left out (then ``batch_size`` counts only this policy's)."""
+    in a compacted call, are left out (then ``batch_size`` counts only this policy's).
+
+    ``derived`` holds device tensors a kernel derives from this run's metadata in the forward
+    and reuses in the backward, so the backward does not launch them again (cuDNN's int64
+    offsets); eager calls only (under torch.compile each call derives its own)."""
 
     policy: int
     spec: MaskSpec
@@ -48,6 +52,7 @@ class KernelRun:
     seqused_q: Optional[torch.Tensor]
     seqused_kv: Optional[torch.Tensor]
     batch_size: int
+    derived: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
 class KernelProblem(NamedTuple):

@@ -32,8 +32,9 @@ from .packed_qkv import ResolvedQKV, split_packed
 from .inputs import AttentionInputs, assemble_inputs, static_half
 from .policies import PolicyRecipe
 from .call import PackedSides, bshd_views
-from .packed_seqs import PackedSeqs, checked_or_safe, validation_enabled
+from .packed_seqs import checked_or_safe, packed_side, validation_enabled
 from ..environment import compiling, env_snapshot
+from ..selection.autotune import key_part as autotune_key
 from .layouts import stride_rules_out_packing
 
 # A module meets few distinct signatures (one per layer shape and mode); a full cache is
@@ -71,19 +72,21 @@ class CallRecipe:
         elif self.packing == "kv":
             key, value = split_packed(kv_layer, self.interleave_dim)
             layer = kv_layer
-        q, k, v = bshd_views(query, key, value, self.qkv_format)
-        pq = pk = None
-        if self.qkv_format == "thd":
+        fmt = self.qkv_format
+        if fmt == "sbhd":
+            query, key, value = bshd_views(query, key, value, fmt)
+        pq = pk = policies = None
+        if fmt == "thd":
             if packed is None:
                 cu_q, cu_kv, cu_q_pad, cu_kv_pad = cus
-                packed = checked_or_safe(PackedSeqs(cu_q, cu_q_pad if self.q_padded else cu_q, max_seqlens[0], q.shape[0]),
-                                         PackedSeqs(cu_kv, cu_kv_pad if self.kv_padded else cu_kv, max_seqlens[1], k.shape[0]))
+                # The sides as make_packed builds them, without its checks (the key fixed their outcome).
+                packed = checked_or_safe(packed_side(cu_q, cu_q_pad if self.q_padded else cu_q, max_seqlens[0], query.shape[0]),
+                                         packed_side(cu_kv, cu_kv_pad if self.kv_padded else cu_kv, max_seqlens[1], key.shape[0]))
             pq, pk = packed
-        policies = None
-        if self.policy is not None:
-            policies = self.policy.policies(per_seq, is_causal, pq.batch_size, q.device)
-        return assemble_inputs(self.static, q, k, v, pq, pk, policies, module.softmax_scale, module.softmax_offset, num_splits,
-                               fp8, layer)
+            if self.policy is not None:
+                policies = self.policy.policies(per_seq, is_causal, pq.batch_size, query.device)
+        return assemble_inputs(self.static, query, key, value, pq, pk, policies, module.softmax_scale, module.softmax_offset,
+                               num_splits, fp8, layer)
 
 
 def recipe_of(inp: AttentionInputs, selection, qkv_format: str, qkv: ResolvedQKV, interleave_dim: int,
@@ -107,8 +110,18 @@ def recipe_of(inp: AttentionInputs, selection, qkv_format: str, qkv: ResolvedQKV
                       policy)
 
 
-def _tensor_facts(t) -> tuple:
-    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+def _layer_facts(layers) -> Optional[tuple]:
+    """(shape, strides, dtype, device, requires_grad) of each layer given (None where absent), or
+    None when one is not a plain tensor (the full path names it)."""
+    facts = []
+    for t in layers:
+        if t is None:
+            facts.append(None)
+        elif type(t) is torch.Tensor:
+            facts.append((t.shape, t.stride(), t.dtype, t.device, t.requires_grad))
+        else:
+            return None
+    return tuple(facts)
 
 
 def _same_as(cus, c) -> int:
@@ -121,33 +134,29 @@ def _same_as(cus, c) -> int:
 
 def _thd_facts(cus, max_seqlens, pad_between_seqs) -> Optional[tuple]:
     """The THD part of the key, or None where the full path must run (it also raises there)."""
-    if type(pad_between_seqs) not in (type(None), bool):
+    if pad_between_seqs is not None and type(pad_between_seqs) is not bool:
         return None
-    if pad_between_seqs is False and any(cus[i] is not None and cus[i] is not cus[i - 2] for i in (2, 3)):
+    cu_q, cu_kv, pad_q, pad_kv = cus
+    if pad_between_seqs is False and ((pad_q is not None and pad_q is not cu_q) or (pad_kv is not None and pad_kv is not cu_kv)):
         return None  # the full path checks that such padded offsets equal cu_seqlens
-    for m in max_seqlens:
-        if type(m) is not int or m < 0:
-            return None
-    n = None
+    max_q, max_kv = max_seqlens
+    if type(max_q) is not int or type(max_kv) is not int or max_q < 0 or max_kv < 0:
+        return None
+    if type(cu_q) is not torch.Tensor or not cu_q.numel():
+        return None  # needs cu_seqlens_q of at least one entry (the full path names what is wrong)
+    n = cu_q.numel()
     facts = []
     for c in cus:
         if c is None:
             facts.append(None)
-            continue
-        if type(c) is not torch.Tensor:
+        elif type(c) is not torch.Tensor or c.numel() != n:
             return None
-        if n is None:
-            n = c.numel()
-        if c.numel() != n:
-            return None
-        facts.append((c.dtype, c.dim(), c.device, _same_as(cus, c)))
-    if not n:  # needs cu_seqlens_q of at least one entry (the full path names what is wrong)
-        return None
+        else:
+            facts.append((c.dtype, c.dim(), c.device, _same_as(cus, c)))
     # The THD selection rules that read max_seqlen (cuDNN refuses decode-shaped top-left causal
     # backward, and sinks with one query row): their conditions, not the values, are in the key.
-    one_query = max_seqlens[0] == 1
-    decode = one_query and max_seqlens[1] > 1
-    return tuple(facts), pad_between_seqs, one_query, decode
+    one_query = max_q == 1
+    return tuple(facts), pad_between_seqs, one_query, one_query and max_kv > 1
 
 
 def _policy_facts(per_seq, is_causal, cu_seqlens_q: torch.Tensor) -> Optional[tuple]:
@@ -195,14 +204,9 @@ def call_key(module, qkv_format, layers, interleave_dim, cus, max_seqlens, attn_
         return None
     if not _exact_window(window_size):
         return None  # (2.0, 0) equals (2, 0) as a key: the full path must see (and reject) it
-    facts = []
-    for t in layers:
-        if t is None:
-            facts.append(None)
-        elif type(t) is torch.Tensor:
-            facts.append(_tensor_facts(t))
-        else:
-            return None
+    facts = _layer_facts(layers)
+    if facts is None:
+        return None
     fmt = qkv_format if qkv_format is not None else module.qkv_format
     if fmt == "thd":
         thd = _thd_facts(cus, max_seqlens, pad_between_seqs)
@@ -218,8 +222,9 @@ def call_key(module, qkv_format, layers, interleave_dim, cus, max_seqlens, attn_
     settings = (module.training, module.attention_dropout, module.qkv_format, module.attn_mask_type, module.window_size,
                 module.num_attention_heads_per_partition, module.num_gqa_groups_per_partition, module.head_dims,
                 module.softmax_type, module.return_max_logit, sink is not None and sink.requires_grad)
-    return (fmt, tuple(facts), interleave_dim, thd, attn_mask_type, window_size, bottom_right_diagonal, settings,
-            torch.is_grad_enabled(), env_snapshot(), None if fp8 is None else fp8.key)
+    return (fmt, facts, interleave_dim, thd, attn_mask_type, window_size, bottom_right_diagonal, settings,
+            torch.is_grad_enabled(), env_snapshot(), None if fp8 is None else fp8.key,
+            autotune_key(cus[0] if fmt == "thd" else None))
 
 
 def _exact_window(window) -> bool:

@@ -145,10 +145,31 @@ class PackedSeqs:
             )
 
 
+def packed_side(cu_seqlens: torch.Tensor, offsets: torch.Tensor, max_seqlen: int, total_tokens: int,
+                bounded: bool = False) -> PackedSeqs:
+    """``PackedSeqs(...)`` without the frozen dataclass's ``__init__``, for the per-call paths
+    (the fast path, :func:`made_safe`): its five ``object.__setattr__`` calls cost about 1 us,
+    filling the instance dict 0.3 us (measured on a CPU core). The caller passes checked values."""
+    side = object.__new__(PackedSeqs)
+    side.__dict__.update(cu_seqlens=cu_seqlens, offsets=offsets, max_seqlen=max_seqlen, total_tokens=total_tokens,
+                         bounded=bounded)
+    return side
+
+
 def made_safe(pq: PackedSeqs, pk: PackedSeqs) -> "tuple[PackedSeqs, PackedSeqs]":
     """:meth:`PackedSeqs.made_safe` for both sides of a call, keeping shared tensors shared
     (selection and the kernels tell self-attention and gaps apart by identity). A tensor used
     by both sides is clamped to the smaller side."""
+    total = pq.total_tokens
+    if pk.cu_seqlens is pq.cu_seqlens and pk.offsets is pq.offsets and pk.total_tokens == total:
+        # Self-attention sharing its metadata (the common case): one bound tensor per distinct
+        # tensor, one record for both sides when their max_seqlen agree.
+        cu = _clamp_sorted(pq.cu_seqlens, total)
+        offsets = cu if pq.offsets is pq.cu_seqlens else _clamp_sorted(pq.offsets, total)
+        q_side = packed_side(cu, offsets, min(pq.max_seqlen, total), total, True)
+        if pk.max_seqlen == pq.max_seqlen:
+            return q_side, q_side
+        return q_side, packed_side(cu, offsets, min(pk.max_seqlen, total), total, True)
     bound: dict = {}
     for p in (pq, pk):
         for t in (p.cu_seqlens, p.offsets):
@@ -161,7 +182,7 @@ def made_safe(pq: PackedSeqs, pk: PackedSeqs) -> "tuple[PackedSeqs, PackedSeqs]"
         return made[id(t)]
 
     return tuple(  # type: ignore[return-value]
-        PackedSeqs(clamp(p.cu_seqlens), clamp(p.offsets), min(p.max_seqlen, p.total_tokens), p.total_tokens, bounded=True)
+        packed_side(clamp(p.cu_seqlens), clamp(p.offsets), min(p.max_seqlen, p.total_tokens), p.total_tokens, True)
         for p in (pq, pk)
     )
 
@@ -201,7 +222,7 @@ def _check_sorted(name: str, values) -> None:
 
 
 def _clamp_sorted(t: torch.Tensor, total: int) -> torch.Tensor:
-    return torch.cummax(t.clamp(0, total), dim=0).values
+    return torch.cummax(t.clamp(0, total), dim=0)[0]
 
 
 def make_packed(

@@ -31,7 +31,9 @@ logger = logging.getLogger("transformer_engine.attention")
 
 @dataclass(frozen=True)
 class BackendSelection:
-    """The chosen backend class (None if nothing fits) and why each other one was not chosen.
+    """The chosen backend class (None if nothing fits), why each other one was not chosen, and
+    how the choice was made among those that fit (``how``: the fixed preference order, a
+    ``backend_scope(force=...)``, or measured by :mod:`.autotune`).
 
     It also unpacks as TE's tuple (:meth:`te_tuple`)::
 
@@ -49,6 +51,11 @@ class BackendSelection:
     reasons: Tuple[Tuple[str, Tuple[Reason, ...]], ...]
     flash_version: Any = None
     fused_backend: Optional[NVTE_Fused_Attn_Backend] = None
+    how: str = "fixed preference order"
+    forced: bool = False  # backend_scope(force=...): not a choice autotune may change
+    # Made without the measurement autotune would make (a bucket's first call under CUDA-graph
+    # capture): a later eager call should choose again, so the fast path does not keep it.
+    provisional: bool = False
 
     @property
     def name(self) -> Optional[str]:
@@ -84,7 +91,7 @@ class BackendSelection:
         return self.te_tuple()[index]
 
     def report(self) -> str:
-        lines = [f"selected: {self.label or 'none'}"]
+        lines = [f"selected: {self.label} ({self.how})" if self.backend is not None else "selected: none"]
         for label, reasons in self.reasons:
             if label == self.label:
                 continue
@@ -121,6 +128,9 @@ def _select(params: AttentionParams, libs: InstalledLibraries, env) -> BackendSe
             chosen = backend
     if scope is not None and scope.force is not None:
         chosen = BACKENDS_BY_LABEL[scope.force]  # its declaration is not consulted (see backend_scope)
+        selection = BackendSelection(chosen, tuple(reasons), how=f"forced by backend_scope(force={scope.force!r})",
+                                     forced=True)
+        return _with_te_backends(selection, params, libs)
     return _with_te_backends(BackendSelection(chosen, tuple(reasons)), params, libs)
 
 

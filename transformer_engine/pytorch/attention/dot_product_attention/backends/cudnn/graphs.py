@@ -8,6 +8,7 @@ Q/K/V/O are declared [B, H, S, D] over the torch tensors' own strides; a varlen 
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from typing import Callable, Dict, List, Optional, Tuple
@@ -31,16 +32,25 @@ Features = Tuple[Optional[torch.Tensor], bool, float, Optional[torch.Tensor]]
 
 
 def _handle(device: torch.device):
+    """This thread's cuDNN handle for ``device``, bound to torch's current stream there. The
+    stream is read as a raw pointer and set on the handle only when it changed (the handle is
+    this module's own): ``torch.cuda.current_stream(...).cuda_stream`` and ``set_stream`` cost
+    a few microseconds per call on the host path."""
     import cudnn
 
     cache = getattr(_handles, "by_device", None)
     if cache is None:
         cache = _handles.by_device = {}
-    if device not in cache:
-        with torch.cuda.device(device):
-            cache[device] = cudnn.create_handle()
-    cudnn.set_stream(handle=cache[device], stream=torch.cuda.current_stream(device).cuda_stream)
-    return cache[device]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    entry = cache.get(index)
+    if entry is None:
+        with torch.cuda.device(index):
+            entry = cache[index] = [cudnn.create_handle(), None]
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    if entry[1] != stream:
+        cudnn.set_stream(handle=entry[0], stream=stream)
+        entry[1] = stream
+    return entry[0]
 
 
 def cached(key, build: Callable[[], tuple]) -> tuple:
@@ -107,6 +117,14 @@ def _dims(t: torch.Tensor, varlen: bool, s_max: int, b: int) -> Tuple[List[int],
     if varlen:
         dims[0] = b
     return dims, strides
+
+
+@functools.lru_cache(maxsize=256)
+def band(causal: bool, window_left: int, window_right: int, bottom_right: bool) -> Tuple[dict, tuple]:
+    """(:func:`band_kwargs`, its cache key) of one mask, cached: the few masks a process meets
+    come back on every call. The dict is shared: callers unpack it, never change it."""
+    kwargs = band_kwargs(causal, window_left, window_right, bottom_right)
+    return kwargs, band_key(kwargs)
 
 
 def band_kwargs(causal: bool, window_left: int, window_right: int, bottom_right: bool) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernel_ops
+from ...environment import compiling
 from ..kernel_problem import KernelProblem, KernelRun, RowSpan, ScoreFeatures
 from .ops import stats_shape  # (importing .ops registers the cuDNN ops kernel_ops.ops dispatches to)
 
@@ -134,5 +135,19 @@ def _run_args(problem: KernelProblem, run: KernelRun) -> tuple:
         # KernelRun's "None: up to the next offset"; cuDNN's ragged graphs always read lengths.
         # (The module's plans and the span calls pass them: plan_varlen(always_lengths=True).)
         len_q, len_kv = (o[1:] - o[:-1] for o in (run.offsets_q, run.offsets_kv))
-    return (run.offsets_q, run.offsets_kv, len_q, len_kv, run.batch_size, problem.max_seqlen_q,
+    offsets_q, offsets_kv = _offsets64(run) if problem.varlen else (None, None)
+    return (offsets_q, offsets_kv, len_q, len_kv, run.batch_size, problem.max_seqlen_q,
             problem.max_seqlen_kv, problem.softmax_scale, causal, left, right, bottom_right)
+
+
+def _offsets64(run: KernelRun) -> tuple:
+    """The run's offsets as int64, which the ops scale into cuDNN's element offsets: converted
+    once per forward and kept on the run for the backward (eager; under torch.compile the ops
+    convert them, as they convert int32 offsets anywhere)."""
+    if compiling():
+        return run.offsets_q, run.offsets_kv
+    got = run.derived.get("offsets64")
+    if got is None:
+        q64 = run.offsets_q.long()
+        got = run.derived["offsets64"] = (q64, q64 if run.offsets_kv is run.offsets_q else run.offsets_kv.long())
+    return got

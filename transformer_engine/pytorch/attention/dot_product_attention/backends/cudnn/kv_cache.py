@@ -78,9 +78,9 @@ def cudnn_paged_fwd(
     [P, page_size, Hkv, D]; ``page_table`` [B, S // page_size] int32 (contiguous rows)."""
     ragged = offsets_q is not None
     b, sq, skv = page_table.shape[0], max(max_seqlen_q, 1), max_seqlen_kv
-    band = graphs.band_kwargs(causal, window_left, window_right, bottom_right)
+    band, band_key = graphs.band(causal, window_left, window_right, bottom_right)  # cached per mask (decode is host-bound)
     key = ("paged", q.dtype, b, sq, skv, q.shape[1:], k.shape, v.shape, q.stride(), k.stride(), v.stride(), out.stride(),
-           page_table.shape, softmax_scale, graphs.band_key(band), ragged, q.device)
+           page_table.shape, softmax_scale, band_key, ragged, q.device)
     table = page_table.view(b, 1, page_table.shape[1], 1)
     pack = {UID["q"]: q, UID["k"]: k, UID["v"]: v, UID["o"]: out, TABLE_UID["table_k"]: table, TABLE_UID["table_v"]: table}
     ragged_of = graphs.ragged_sources(offsets_q, None, dict(q=q, o=out)) if ragged else {}

@@ -33,10 +33,10 @@ def _forward(q, k, v, out, offsets_q, offsets_kv, seqlens_q, seqlens_kv, batch_s
     """The body of both forward ops: (stats, max logit [H] or None)."""
     varlen, padded = offsets_q is not None, seqlens_q is not None
     b, sq, skv = batch_size, max(max_seqlen_q, 1), max(max_seqlen_kv, 1)
-    band = graphs.band_kwargs(causal, window_left, window_right, bottom_right)
+    band, band_key = graphs.band(causal, window_left, window_right, bottom_right)
     features = (bias, alibi, dropout_p, sink)
     key = ("fwd", q.dtype, b, sq, skv, q.shape[1:], k.shape[1:], v.shape[1:], q.stride(), k.stride(), v.stride(),
-           out.stride(), softmax_scale, graphs.band_key(band), varlen, padded, graphs.feature_key(*features), with_max, q.device)
+           out.stride(), softmax_scale, band_key, varlen, padded, graphs.feature_key(*features), with_max, q.device)
     pack = {UID["q"]: q, UID["k"]: k, UID["v"]: v, UID["o"]: out}
     shape = stats_shape(q, batch_size, max_seqlen_q)
     if with_max:
@@ -194,10 +194,10 @@ def cudnn_bwd(
     dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device) if need_dbias and bias is not None else None
     dsink = torch.zeros(sink.shape, dtype=torch.float32, device=sink.device) if need_dsink and sink is not None else None
     b, sq, skv = batch_size, max(max_seqlen_q, 1), max(max_seqlen_kv, 1)
-    band = graphs.band_kwargs(causal, window_left, window_right, bottom_right)
+    band, band_key = graphs.band(causal, window_left, window_right, bottom_right)
     features = (bias, alibi, dropout_p, sink)
     key = ("bwd", q.dtype, b, sq, skv, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), out.stride(),
-           dq.stride(), dk.stride(), dv.stride(), softmax_scale, graphs.band_key(band), varlen, padded, deterministic,
+           dq.stride(), dk.stride(), dv.stride(), softmax_scale, band_key, varlen, padded, deterministic,
            graphs.feature_key(*features), dbias is not None, dsink is not None, q.device)
     pack = {UID["q"]: q, UID["k"]: k, UID["v"]: v, UID["o"]: out, UID["do"]: dout, UID["stats"]: stats,
             UID["dq"]: dq, UID["dk"]: dk, UID["dv"]: dv}
