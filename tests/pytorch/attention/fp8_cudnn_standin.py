@@ -79,7 +79,8 @@ class FP8CudnnStandIn:
             k, v = (_seq(x, i, sk, m, varlen) * t[_F["descale_qkv"]] for x in (k8, v8))
             p, lse = _probs(q, k, scale, causal, bottom_right)
             amax_s = torch.maximum(amax_s, p.amax() if p.numel() else amax_s)
-            o = fake(p, t[_F["scale_s"]], torch.float8_e4m3fn) @ v.repeat_interleave(q.shape[0] // v.shape[0], dim=0)
+            m = p.amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) if p.numel() else p  # exp(s - rowmax) is quantized
+            o = (fake(p / m, t[_F["scale_s"]], torch.float8_e4m3fn) * m) @ v.repeat_interleave(q.shape[0] // v.shape[0], dim=0)
             amax_o = torch.maximum(amax_o, o.abs().amax() if o.numel() else amax_o)
             rows = cast(o.transpose(0, 1), t[_F["scale_o"]], o8.dtype)
             if varlen:

@@ -52,8 +52,8 @@ def test_fp8_configurations_fused_attention_runs(monkeypatch):
 @pytest.mark.parametrize("kw,field,why", [
     (dict(head_dim_qk=64, head_dim_v=64), "head_dim_qk=64 with FP8 gradients on sm90", "takes head dim 128 only"),
     (dict(qkv_format="thd", attn_mask_type="padding_causal"), "qkv_format=thd with FP8 gradients", "refuses ragged offsets"),
-    (dict(attn_mask_type="causal_bottom_right", max_seqlen_q=64, max_seqlen_kv=128), "attn_mask_type=causal_bottom_right",
-     "bottom-right causal masks on Blackwell only"),
+    (dict(attn_mask_type="causal_bottom_right", max_seqlen_q=64, max_seqlen_kv=128, compute_capability=(10, 0)),
+     "attn_mask_type=causal_bottom_right", "bottom-right causal masks on Blackwell only"),
 ])
 def test_fp8_backward_rules_name_the_f16_backward_way_out(monkeypatch, kw, field, why):
     (reason,) = _reasons(monkeypatch, **kw)
@@ -72,6 +72,9 @@ def test_fp8_backward_rules_name_the_f16_backward_way_out(monkeypatch, kw, field
     (dict(softmax_type="learnable"), "softmax_type='learnable' in FP8", "vanilla"),
     (dict(return_max_logit=True), "return_max_logit=True in FP8", "False"),
     (dict(window_size=(8, 0)), "window_size=(8, 0) in FP8", "sliding windows"),
+    (dict(attn_mask_type="causal_bottom_right", max_seqlen_q=64, max_seqlen_kv=128, requires_grad=False,
+          compute_capability=(9, 0)), "attn_mask_type=causal_bottom_right with sq != skv possible in FP8 on sm90",
+     "only supported on Blackwell"),
     (dict(qkv_format="thd", attn_mask_type="padding_causal", requires_grad=False,
           per_seq_policies=()), "attn_mask_type_per_seq=given in FP8", "one mask policy"),
 ])

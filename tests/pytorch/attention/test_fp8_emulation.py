@@ -129,7 +129,9 @@ def _written_out(q, k, v, causal: bool, current: bool):
     scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) / math.sqrt(d)
     if causal:
         scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), -math.inf)
-    probs = _Forward.apply(torch.softmax(_Backward.apply(scores, False), dim=-1), 1.0)  # dP, then S: delayed
+    probs = torch.softmax(_Backward.apply(scores, False), dim=-1)  # dP: delayed
+    row_max = probs.detach().amax(-1, keepdim=True)  # S: each row over its largest entry, as the kernels quantize
+    probs = _Forward.apply(probs / row_max, 1.0) * row_max
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
     out = _Backward.apply(_Forward.apply(out, E4M3_MAX / _amax(out) if current else 1.0), current)
     return out.to(torch.bfloat16).reshape(b, s, h * d)

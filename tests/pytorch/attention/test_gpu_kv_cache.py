@@ -138,4 +138,6 @@ def test_decode_steps_replay_from_a_cuda_graph_as_sequences_finish_and_join(labe
     assert len(report.finished) == s.requests and report.graph_steps >= 256, report
     assert report.mismatches == 0, f"{report.mismatches} greedy tokens differ from full recomputation ({report})"
     assert report.max_logit_diff < 0.5, report.max_logit_diff  # bf16 logits of std ~4 through three layers
-    assert report.compared >= 0.9 * (report.compared + report.ties), "too many ties for the check to mean much"
+    # Top-2 gaps of 512 logits (std ~4) fall under bf16's 0.2 tie margin ~17% of the time (16% on
+    # the H200), so about 1000 of ~1220 steps are compared; far fewer would mean little was checked.
+    assert report.compared >= 0.75 * (report.compared + report.ties), "too many ties for the check to mean much"

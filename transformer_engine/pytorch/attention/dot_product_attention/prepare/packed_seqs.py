@@ -149,7 +149,10 @@ def packed_side(cu_seqlens: torch.Tensor, offsets: torch.Tensor, max_seqlen: int
                 bounded: bool = False) -> PackedSeqs:
     """``PackedSeqs(...)`` without the frozen dataclass's ``__init__``, for the per-call paths
     (the fast path, :func:`made_safe`): its five ``object.__setattr__`` calls cost about 1 us,
-    filling the instance dict 0.3 us (measured on a CPU core). The caller passes checked values."""
+    filling the instance dict 0.3 us (measured on a CPU core). The caller passes checked values.
+    Under torch.compile the dataclass's own ``__init__`` runs: dynamo cannot trace the dict fill."""
+    if torch.compiler.is_compiling():
+        return PackedSeqs(cu_seqlens, offsets, max_seqlen, total_tokens, bounded)
     side = object.__new__(PackedSeqs)
     side.__dict__.update(cu_seqlens=cu_seqlens, offsets=offsets, max_seqlen=max_seqlen, total_tokens=total_tokens,
                          bounded=bounded)

@@ -6,7 +6,8 @@ Forward, as the unfused emulation quantizes (slots are TE's: QKV=2, O=3, S=8)::
 
     Q, K, V  -> E4M3 with the QKV scale, one amax (a declared qkv_layer / kv_layer: ONE cast of
                 the packed buffer, q/k/v zero-copy views of its FP8 copy)
-    sdpa_fp8 -> O (E4M3, scale of slot O), stats, amax_s -> slot S, amax_o -> slot O
+    sdpa_fp8 -> O (E4M3, scale of slot O), stats, amax_s -> slot S, amax_o -> slot O (S quantized
+                with the slot's scale capped at fp8_max: fp8.quantize.kernel_s_scale)
     out       = float32(O) / scale_O in the inputs' dtype; then ``finish_forward``
 
 Backward (``NVTE_FP8_DPA_BWD`` unset or 1; dO=3, dP=5, dQKV=0 in the backward slots)::
@@ -41,6 +42,7 @@ from ..kernel_autograd import module_problem
 from ..kernel_problem import KernelProblem, ScoreFeatures
 from ..varlen import plan_varlen
 from ...fp8.emulation import valid_rows
+from ...fp8.quantize import kernel_s_scale
 from ...prepare.inputs import AttentionInputs
 from .fp8_cast import cast_fp8, dequantize, view_like
 from .fp8_graphs import BWD_SCALARS, FWD_SCALARS
@@ -165,7 +167,7 @@ def _table(values: Sequence[torch.Tensor]) -> torch.Tensor:
 def _forward_table(fp8) -> torch.Tensor:
     """FWD_SCALARS from the call's forward scales (a copy taken at the call: a recomputed
     forward and the backward see the scales this forward used)."""
-    s_qkv, s_s, s_o = fp8.qkv.scale, fp8.s.scale, fp8.o.scale
+    s_qkv, s_s, s_o = fp8.qkv.scale, kernel_s_scale(fp8.s), fp8.o.scale
     inv = torch.reciprocal(torch.stack([s_qkv, s_s, s_o]))
     return _table([inv[0], inv[1], s_s, s_o, inv[2]])
 
@@ -183,7 +185,20 @@ def _forward(call: FP8Call, q8, k8, v8) -> Tuple[torch.Tensor, ...]:
     out = dequantize(o8, table[_FWD_ROW["descale_o"], 0], call.dtype)
     if empty and problem.rows_q is not None:  # THD rows no sequence owns: 0, as in the BF16 path
         kernel_ops.ops.zero_gap_rows(out, *problem.rows_q, -1)
-    return out, o8, stats, table
+    return _padded_rows_zeroed(call, out), o8, stats, table
+
+
+def _padded_rows_zeroed(call: FP8Call, t: torch.Tensor) -> torch.Tensor:
+    """Dense padding: ``t`` (bshd order) with the rows past each sequence's query length set to 0.
+    cuDNN's FP8 forward writes those rows on the H200 (its BF16 graph leaves them alone), so the
+    output is cleared there and so is dO before the backward (their dQ and their share of dK/dV
+    are then 0)."""
+    problem = call.problem
+    len_q = problem.runs[0].seqused_q
+    if problem.varlen or len_q is None:
+        return t
+    rows = torch.arange(t.shape[1], device=t.device) < len_q.view(-1, 1)
+    return torch.where(rows.view(*rows.shape, *([1] * (t.dim() - 2))), t, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
 class _FP8Attention(torch.autograd.Function):
@@ -255,6 +270,7 @@ def _grad_buffers(call: FP8Call, q8, k8, v8, dtype, zeros: bool):
 
 def _backward(call: FP8Call, dout, q8, k8, v8, o8, stats, fwd_table) -> Tuple[torch.Tensor, ...]:
     fp8, problem = call.fp8, call.problem
+    dout = _padded_rows_zeroed(call, dout)
     dout = dout if dout.stride() == o8.stride() else dout.contiguous()
     do8 = cast_fp8(dout, fp8.do)
     table = _backward_table(fwd_table, fp8)

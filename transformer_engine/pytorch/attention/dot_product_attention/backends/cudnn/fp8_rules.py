@@ -3,7 +3,8 @@ limits (cudnn-frontend 1.32's FP8 SDPA nodes, cuDNN 9.19), what was probed on th
 (``benchmarks/attention/probe_fp8_paged_fp8.py``), and what TE itself refuses in FP8.
 
 Forward: bshd, sbhd and thd (ragged offsets and a padding mask), causal or not, padding masks,
-GQA, head dims that are multiples of 16 up to 128 (64 and 128 probed). The FP8 backward
+GQA, head dims that are multiples of 16 up to 128 (64 and 128 probed); on sm90 no bottom-right
+causal mask with sq != skv. The FP8 backward
 (``NVTE_FP8_DPA_BWD`` unset or 1) is narrower on Hopper: head dim 128 only, no THD, no
 bottom-right causal with sq != skv; ``NVTE_FP8_DPA_BWD=0`` keeps the FP8 forward and runs the
 ordinary backward, so those rules do not apply then.
@@ -81,6 +82,12 @@ def _features(params) -> List[Reason]:
         out.append(Reason("return_max_logit", "True in FP8", "False (TE returns no max logit in FP8 either)"))
     if params.per_seq_policies is not None:
         out.append(Reason("attn_mask_type_per_seq", "given in FP8", "None (one mask policy per FP8 call on cuDNN)"))
+    cc = params.compute_capability
+    bottom_right = [s for s in params.mask_specs if s.mask_type.is_causal and s.mask_type.bottom_right]
+    if bottom_right and not params.same_lengths and cc is not None and cc[0] == 9:
+        out.append(Reason("attn_mask_type", f"{bottom_right[0].mask_type.value} with sq != skv possible in FP8 on sm90",
+                          "top-left causal masks or sq == skv (cuDNN 9.19 builds no FP8 forward with a bottom-right "
+                          "diagonal on Hopper: 'only supported on Blackwell', measured on the H200)"))
     for spec in params.mask_specs:
         if spec.window not in ((-1, -1), (-1, 0)):
             out.append(Reason("window_size", f"{spec.window} in FP8",
