@@ -20,6 +20,15 @@ class Packed:
     valid_q: torch.Tensor
     valid_kv: torch.Tensor
 
+    def fill_outside(self, value: float) -> "Packed":
+        """Put ``value`` in every row outside the sequences (a finite one: a batch that declares
+        no gaps promises readable rows past its last sequence, which whole-tile kernels read)."""
+        with torch.no_grad():
+            self.q[~self.valid_q] = value
+            self.k[~self.valid_kv] = value
+            self.v[~self.valid_kv] = value
+        return self
+
     def kwargs(self, gaps: bool, max_q: int, max_kv: int, shared: bool = False) -> dict:
         kw = dict(cu_seqlens_q=self.cu_q, cu_seqlens_kv=self.cu_q if shared else self.cu_kv, max_seqlen_q=max_q, max_seqlen_kv=max_kv)
         if gaps:
