@@ -1,9 +1,12 @@
-"""Fixtures that install the library stand-ins (``stand_ins/``) for one test."""
+"""Fixtures shared by the attention tests: the library stand-ins (``stand_ins/``) for one test,
+and a count of the calls that take the module's full path (not the fast path)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa_module
 
 from .stand_ins import cudnn, fa2, fa3, fa4
 
@@ -37,3 +40,17 @@ def fa3_lib(monkeypatch):
 @pytest.fixture
 def fa2_lib(monkeypatch):
     return fa2.install(monkeypatch)
+
+
+@pytest.fixture
+def full_paths(monkeypatch):
+    """Counts the calls that took the full path."""
+    calls = []
+    real = dpa_module.prepare
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dpa_module, "prepare", counted)
+    return calls

@@ -90,17 +90,23 @@ def scores(q, k, allowed, scale, bias=None) -> torch.Tensor:
     return s.masked_fill(~allowed.to(s.device), -math.inf)
 
 
-def attend_one(q, k, v, allowed, scale, bias=None, sink=None) -> torch.Tensor:
-    """q [n, h, d], k/v [m, hg, d|dv] -> [n, h, dv] float64. ``allowed`` [n, m] bool, ``bias``
-    [h, n, m] (after scaling), ``sink`` [h] (one more logit per head, no value) or None."""
+def probabilities(q, k, allowed, scale, bias=None, sink=None) -> torch.Tensor:
+    """[h, n, m] float64: the softmax of :func:`scores` over each query's keys; with a ``sink``
+    [h], one more logit per head in the denominator (its own column dropped); a query that sees
+    no key (and has no sink) gets a row of 0."""
     s = scores(q, k, allowed, scale, bias)
     if sink is not None:
         column = sink.double().to(s.device).view(-1, 1, 1).expand(-1, s.shape[1], 1)
         s = torch.cat([s, column], dim=-1)
-    live = torch.isfinite(s).any(dim=-1, keepdim=True)  # a row with nothing to attend gives 0
+    live = torch.isfinite(s).any(dim=-1, keepdim=True)
     probs = torch.softmax(torch.where(live, s, 0.0), dim=-1) * live
-    if sink is not None:
-        probs = probs[..., :-1]
+    return probs if sink is None else probs[..., :-1]
+
+
+def attend_one(q, k, v, allowed, scale, bias=None, sink=None) -> torch.Tensor:
+    """q [n, h, d], k/v [m, hg, d|dv] -> [n, h, dv] float64. ``allowed`` [n, m] bool, ``bias``
+    [h, n, m] (after scaling), ``sink`` [h] (one more logit per head, no value) or None."""
+    probs = probabilities(q, k, allowed, scale, bias, sink)
     v = v.double().repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     return torch.einsum("hnm,mhd->nhd", probs, v)
 
