@@ -4,9 +4,8 @@ selection reads them, and the FA4 and cuDNN translations against stand-in librar
 - Selection: each backend accepts or refuses a KV call as its declaration says (non-paged,
   paged, page-size multiples, forward only, no sinks or dropout), TE's spelling included, and
   the README's KV table is rendered from the declarations.
-- FA4: a stand-in ``flash_attn.cute.interface._flash_attn_fwd`` that takes flash-attn-4
-  4.0.0b36's keywords only and computes in float64 what FA4 documents (page table, seqused,
-  bottom-right causal): the cache reaches it without a copy, with the page table, the cached
+- FA4: the FA4 stand-in (``stand_ins/fa4.py``: flash-attn-4 4.0.0b36's keywords only, page
+  table, seqused, bottom-right causal, in float64): the cache reaches it without a copy, with the page table, the cached
   lengths as ``seqused_k`` and the padded query offsets; results equal the float64 oracle.
 - cuDNN: a stand-in ``cudnn`` module whose graphs record every declaration (dims, strides,
   ragged offsets, the sdpa arguments) and execute them in float64 by reading the pack's tensors
@@ -34,8 +33,7 @@ from transformer_engine.pytorch.attention.dot_product_attention.selection.backen
 from transformer_engine.pytorch.attention.dot_product_attention.selection.explain import TESTED_LIBRARIES, main as explain_main
 
 from .kv_schedules import LAYERS, Config, Packing, Picker, Simulation, check_output, pack, round_history
-from .reference import allowed_matrix, attend_one
-from .test_library_adapters import FA4_FWD_KEYWORDS, _install
+from .reference import attend_one
 
 ALL = TESTED_LIBRARIES
 KV = AttentionParams(qkv_format="thd", attn_mask_type="padding_causal_bottom_right", head_dim_qk=128, head_dim_v=128,
@@ -137,42 +135,21 @@ def _cfg(fmt: str, paged: bool, page_size: int = 4, mask: str = "padding_causal"
 # ------------------------------------------------------------------ FA4 (flash_attn.cute)
 
 
-def _fa4_kv_fwd(calls):
-    """_flash_attn_fwd taking b36's keywords only, computing a KV call in float64."""
-
-    def _flash_attn_fwd(*args, **kw):
-        assert not args and set(kw) <= FA4_FWD_KEYWORDS, set(kw) - FA4_FWD_KEYWORDS
-        assert kw["cu_seqlens_k"] is None and kw["lse"] is None and kw["return_lse"] is False
-        calls.append(kw)
-        q, k, v, out, table = kw["q"], kw["k"], kw["v"], kw["out"], kw.get("page_table")
-        window = tuple(-1 if w is None else w for w in (kw["window_size_left"], kw["window_size_right"]))
-        for b in range(kw["cu_seqlens_q"].numel() - 1):
-            start, n, m = int(kw["cu_seqlens_q"][b]), int(kw["seqused_q"][b]), int(kw["seqused_k"][b])
-            if n == 0:
-                continue
-            keys, values = (k[b], v[b]) if table is None else (k[table[b].long()].flatten(0, 1), v[table[b].long()].flatten(0, 1))
-            allowed = allowed_matrix(n, m, "padding_causal_bottom_right" if kw["causal"] else "padding", window)
-            out[start : start + n] = attend_one(q[start : start + n], keys[:m], values[:m], allowed, kw["softmax_scale"]).to(out.dtype)
-
-    return _flash_attn_fwd
-
-
-@pytest.fixture
-def fa4_calls(monkeypatch):
-    calls = []
-    _install(monkeypatch, "flash_attn")
-    _install(monkeypatch, "flash_attn.cute")
-    _install(monkeypatch, "flash_attn.cute.interface", _flash_attn_fwd=_fa4_kv_fwd(calls))
-    return calls
+def _last_forward(fa4_lib) -> dict:
+    """The keywords of the last forward the FA4 stand-in (``stand_ins/fa4.py``) ran; a KV call
+    hands it no key offsets and asks for no LSE."""
+    kw = [kw for kind, kw in fa4_lib.calls if kind == "fwd"][-1]
+    assert kw["cu_seqlens_k"] is None and kw["lse"] is None and kw["return_lse"] is False
+    return kw
 
 
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("mask,window", [("padding_causal", None), ("padding", (2, 1)), ("padding_causal", (2, 0))])
-def test_fa4_gets_the_cache_as_stored(fa4_calls, fmt, paged, mask, window):
+def test_fa4_gets_the_cache_as_stored(fa4_lib, fmt, paged, mask, window):
     cfg = _cfg(fmt, paged, mask=mask, window=window)
     params = _schedule(cfg, {}, "fa4", torch.float64, 1e-12)
-    kw = fa4_calls[-1]
+    kw = _last_forward(fa4_lib)
     manager = params.cache_manager
     assert kw["k"].data_ptr() == manager.cache[LAYERS[-1]][0].data_ptr(), "the cache itself, not a copy"
     if paged:
@@ -188,7 +165,7 @@ def test_fa4_gets_the_cache_as_stored(fa4_calls, fmt, paged, mask, window):
         (True, None, None) if window is None else ((False, 2, 1) if mask == "padding" else (False, 2, 0)))
 
 
-def test_unowned_rows_are_zeroed_unless_every_row_holds_a_token(fa4_calls, monkeypatch):
+def test_unowned_rows_are_zeroed_unless_every_row_holds_a_token(fa4_lib, monkeypatch):
     """FA4 leaves rows it does not run unwritten: they are zeroed, one launch that a step whose
     rows all hold tokens (a full decode batch, eager) skips."""
     zeroed = []

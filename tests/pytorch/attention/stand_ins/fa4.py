@@ -2,10 +2,11 @@
 ``_flash_attn_bwd`` the package calls, keyword-only, with b36's keyword names.
 
 Semantics (the library's, as the package relies on them): varlen calls take physical offsets as
-``cu_seqlens_*`` and valid lengths as ``seqused_*``; dense calls [B, S, H, D]; causal is
-bottom-right; windows ``window_size_left/right`` (None: unbounded); the output, the LSE ([H, T]
-varlen, [B, H, S] dense) and dQ/dK/dV are written only in the rows of the sequences run; K/V
-are read in whole tiles past each sequence end; the backward works from the LSE it is handed
+``cu_seqlens_*`` and valid lengths as ``seqused_*``; dense calls [B, S, H, D]; a KV cache comes
+dense [B, S, H, D] with ``cu_seqlens_k`` None, or paged (pools [P, page, H, D] and
+``page_table``); causal is bottom-right; windows ``window_size_left/right`` (None: unbounded);
+the output, the LSE ([H, T] varlen, [B, H, S] dense) and dQ/dK/dV are written only in the rows
+of the sequences run; K/V are read in whole tiles past each sequence end; the backward works from the LSE it is handed
 and, with ``learnable_sink``, returns the sink's gradient fourth. A sequence with keys but no
 query rows gets dK = dV = 0 (assumed, as kernels looping over key blocks write them; a
 context-parallel step can give a sequence no query rows)."""
@@ -46,13 +47,30 @@ def _check(name: str, args: tuple, kwargs: dict, accepted: frozenset) -> None:
         raise TypeError(f"{name}() got unexpected keyword arguments {unknown}")
 
 
-def _rows(t: torch.Tensor, dense: bool, b: int, start: int, n: int) -> torch.Tensor:
-    """A view of sequence b's rows [start, start + n): of entry b (dense) or of the packed rows."""
-    return t[b, start : start + n] if dense else t[start : start + n]
+def _q_rows(kw: dict, name: str, b: int, start: int, n: int) -> torch.Tensor:
+    """A view of sequence b's query-side rows [start, start + n) of ``kw[name]``: of entry b
+    (dense, ``cu_seqlens_q`` None) or of the packed rows."""
+    t = kw[name]
+    return t[b, start : start + n] if kw.get("cu_seqlens_q") is None else t[start : start + n]
 
 
-def _lse_rows(lse: torch.Tensor, dense: bool, b: int, start: int, n: int) -> torch.Tensor:
-    return lse[b, :, :n] if dense else lse[:, start : start + n]
+def _lse_rows(kw: dict, b: int, start: int, n: int) -> torch.Tensor:
+    return kw["lse"][b, :, :n] if kw.get("cu_seqlens_q") is None else kw["lse"][:, start : start + n]
+
+
+def _kv_rows(kw: dict, name: str, b: int, start: int, m: int) -> torch.Tensor:
+    """Sequence b's key-side rows of ``kw[name]`` as FA4 reads them: its m rows and then on to
+    the end of the last tile (weight 0 in the products, read all the same). Packed rows from
+    ``start``; entry b of a dense batch or KV cache (``cu_seqlens_k`` None); or a paged cache's
+    pools [P, page, H, D] through ``page_table[b]``."""
+    t, table = kw[name], kw.get("page_table")
+    if table is not None:
+        page = t.shape[1]
+        end = min(tile_end(0, m, table.shape[1] * page), table.shape[1] * page)
+        return t[table[b, : -(-end // page)].long()].flatten(0, 1)[:end]
+    if kw.get("cu_seqlens_k") is None:
+        return t[b, : tile_end(0, m, t.shape[1])]
+    return t[start : tile_end(start, m, t.shape[0])]
 
 
 class FA4Library:
@@ -67,69 +85,58 @@ class FA4Library:
     @staticmethod
     def _sequences(kw: dict) -> Iterator[Seq]:
         q, k = kw["q"], kw["k"]
+        cu_q, cu_k = kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")
         used_q, used_k = kw.get("seqused_q"), kw.get("seqused_k")
-        if kw.get("cu_seqlens_q") is None:  # dense: one sequence per batch entry
-            for b in range(q.shape[0]):
-                yield b, 0, 0, q.shape[1], k.shape[1] if used_k is None else int(used_k[b])
-            return
-        cu_q, cu_k = kw["cu_seqlens_q"], kw["cu_seqlens_k"]
-        for b in range(cu_q.numel() - 1):
-            qa, ka = int(cu_q[b]), int(cu_k[b])
-            n = int(used_q[b]) if used_q is not None else int(cu_q[b + 1]) - qa
-            m = int(used_k[b]) if used_k is not None else int(cu_k[b + 1]) - ka
-            assert n <= kw["max_seqlen_q"] and m <= kw["max_seqlen_k"], "max_seqlen below a sequence's length"
+        for b in range(q.shape[0] if cu_q is None else cu_q.numel() - 1):
+            qa, ka = (0 if cu_q is None else int(cu_q[b])), (0 if cu_k is None else int(cu_k[b]))
+            n = int(used_q[b]) if used_q is not None else (q.shape[1] if cu_q is None else int(cu_q[b + 1]) - qa)
+            m = int(used_k[b]) if used_k is not None else (k.shape[1] if cu_k is None else int(cu_k[b + 1]) - ka)
+            if cu_q is not None:
+                assert n <= kw["max_seqlen_q"] and m <= kw["max_seqlen_k"], "max_seqlen below a sequence's length"
             yield b, qa, ka, n, m
 
     @staticmethod
-    def _mask(kw: dict, n: int, m: int) -> torch.Tensor:
-        """Bottom-right band; a causal call has right bound 0."""
+    def _mask(kw: dict, n: int, m: int, width: int) -> torch.Tensor:
+        """Bottom-right band over the first m of ``width`` keys read; a causal call has right bound 0."""
         left = -1 if kw["window_size_left"] is None else kw["window_size_left"]
         right = 0 if kw["causal"] else (-1 if kw["window_size_right"] is None else kw["window_size_right"])
-        return band(n, m, left, right, m - n)
-
-    def _tiles(self, kw: dict, dense: bool, b: int, ka: int, m: int):
-        """(k rows, v rows, their mask columns' count) of a whole-tile read of keys [ka, ka + m)."""
-        end = tile_end(ka, m, kw["k"].shape[1] if dense else kw["k"].shape[0])
-        return _rows(kw["k"], dense, b, ka, end - ka), _rows(kw["v"], dense, b, ka, end - ka), end - ka
+        return widen(band(n, m, left, right, m - n), width)
 
     def _flash_attn_fwd(self, *args, **kw):
         _check("_flash_attn_fwd", args, kw, FWD_KEYWORDS)
         assert kw["return_lse"] == (kw["lse"] is not None), "return_lse must say whether an lse buffer is given"
         self.calls.append(("fwd", kw))
-        dense, out, lse = kw.get("cu_seqlens_q") is None, kw["out"], kw["lse"]
         for b, qa, ka, n, m in self._sequences(kw):
             if n == 0:
                 continue  # skipped: its rows stay as they were
-            k, v, width = self._tiles(kw, dense, b, ka, m)
-            o, row_lse = forward(_rows(kw["q"], dense, b, qa, n), k, v, widen(self._mask(kw, n, m), width),
-                                 kw["softmax_scale"], sink=kw.get("learnable_sink"))
-            _rows(out, dense, b, qa, n).copy_(o)
-            if lse is not None:
-                _lse_rows(lse, dense, b, qa, n).copy_(row_lse)
-        return out, lse
+            k, v = _kv_rows(kw, "k", b, ka, m), _kv_rows(kw, "v", b, ka, m)
+            out, lse = forward(_q_rows(kw, "q", b, qa, n), k, v, self._mask(kw, n, m, k.shape[0]), kw["softmax_scale"],
+                               sink=kw.get("learnable_sink"))
+            _q_rows(kw, "out", b, qa, n).copy_(out)
+            if kw["lse"] is not None:
+                _lse_rows(kw, b, qa, n).copy_(lse)
+        return kw["out"], kw["lse"]
 
     def _flash_attn_bwd(self, *args, **kw):
         _check("_flash_attn_bwd", args, kw, BWD_KEYWORDS)
         self.calls.append(("bwd", kw))
-        dense, sink = kw.get("cu_seqlens_q") is None, kw.get("learnable_sink")
-        dq, dk, dv = kw["dq"], kw["dk"], kw["dv"]
+        sink = kw.get("learnable_sink")
         dsink = None if sink is None else torch.zeros(sink.shape, dtype=torch.float32, device=sink.device)
         for b, qa, ka, n, m in self._sequences(kw):
+            dk, dv = _kv_rows(kw, "dk", b, ka, m)[:m], _kv_rows(kw, "dv", b, ka, m)[:m]
             if n == 0:
-                _rows(dk, dense, b, ka, m).zero_()
-                _rows(dv, dense, b, ka, m).zero_()
+                dk.zero_()
+                dv.zero_()
                 continue
-            k, v, width = self._tiles(kw, dense, b, ka, m)
-            rows_q = [_rows(kw[name], dense, b, qa, n) for name in ("dout", "q")]
-            grads = backward(rows_q[0], rows_q[1], k, v, _rows(kw["out"], dense, b, qa, n),
-                             _lse_rows(kw["lse"], dense, b, qa, n), widen(self._mask(kw, n, m), width), kw["softmax_scale"],
-                             sink=sink)
-            _rows(dq, dense, b, qa, n).copy_(grads[0])
-            _rows(dk, dense, b, ka, m).copy_(grads[1][:m])
-            _rows(dv, dense, b, ka, m).copy_(grads[2][:m])
+            k, v = _kv_rows(kw, "k", b, ka, m), _kv_rows(kw, "v", b, ka, m)
+            grads = backward(_q_rows(kw, "dout", b, qa, n), _q_rows(kw, "q", b, qa, n), k, v, _q_rows(kw, "out", b, qa, n),
+                             _lse_rows(kw, b, qa, n), self._mask(kw, n, m, k.shape[0]), kw["softmax_scale"], sink=sink)
+            _q_rows(kw, "dq", b, qa, n).copy_(grads[0])
+            dk.copy_(grads[1][:m])
+            dv.copy_(grads[2][:m])
             if dsink is not None:
                 dsink += grads[4].float()
-        return (dq, dk, dv) if dsink is None else (dq, dk, dv, dsink)
+        return (kw["dq"], kw["dk"], kw["dv"]) if dsink is None else (kw["dq"], kw["dk"], kw["dv"], dsink)
 
 
 def install(monkeypatch) -> FA4Library:
