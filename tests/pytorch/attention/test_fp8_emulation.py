@@ -336,7 +336,7 @@ def test_megatron_fp8_configurations_refused_by_name(monkeypatch):
     q, k, v = _sbhd(81)
     with get_fp8_context(config):
         monkeypatch.setenv("NVTE_UnfusedDPA_Emulate_FP8", "0")
-        with pytest.raises(NoBackendError, match="FusedAttention: .*fp8=True"):
+        with pytest.raises(NoBackendError, match="UnfusedDotProductAttention: NVTE_UnfusedDPA_Emulate_FP8=0"):
             attn(q, k, v, None, masks.causal)
     monkeypatch.setenv("NVTE_UnfusedDPA_Emulate_FP8", "1")
     config, attn, masks = _megatron(fp8_multi_head_attention=True)

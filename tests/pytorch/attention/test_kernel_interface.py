@@ -225,6 +225,8 @@ def test_span_call_arguments(libs, mask, fa, cudnn):
     ((fwd, fwd_pack),), ((bwd, bwd_pack),) = libs["cudnn"].of("fwd"), libs["cudnn"].of("bwd")
     assert offsets_of(fwd_pack, "q").tolist() == qs.offsets.tolist() and offsets_of(fwd_pack, "k").tolist() == ks.offsets.tolist()
     assert lengths_of(fwd_pack, "q").tolist() == qs.lengths.tolist() and lengths_of(fwd_pack, "kv").tolist() == ks.lengths.tolist()
+    assert all(pack_of(pack, "r" + side).dtype == torch.int64 for pack in (fwd_pack, bwd_pack) for side in "qkv"), \
+        "cuDNN's ragged offsets are int64"
     assert (fwd.b, fwd.sq, fwd.skv, fwd.bottom_right, fwd.window) == (3, 6, 9, *cudnn)
     # The stats handed back: [B, H, SQ, 1] by position, the forward's at every valid position.
     stats_fwd, stats_bwd = pack_of(fwd_pack, "stats"), pack_of(bwd_pack, "stats")
@@ -276,6 +278,7 @@ def test_module_thd_cudnn_runs(cudnn_lib, gaps, policies):
     offsets = (p.off_q if gaps else p.cu_q).tolist()
     for (fwd, fwd_pack), (_, bwd_pack) in zip(fwds, bwds):
         assert offsets_of(fwd_pack, "q").tolist() == offsets and (fwd.b, fwd.sq, fwd.skv) == (3, 6, 6)
+        assert pack_of(fwd_pack, "rq").dtype == pack_of(bwd_pack, "rq").dtype == torch.int64
         for side in ("q", "kv"):  # made once per forward: the backward's lengths are the same tensor
             assert lengths_of(bwd_pack, side).data_ptr() == lengths_of(fwd_pack, side).data_ptr()
     lengths = {True: [5, 3, 6]} if not policies else {True: [5, 0, 6], False: [0, 3, 0]}  # by causal
