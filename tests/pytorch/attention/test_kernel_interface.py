@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import backend_scope
-from transformer_engine.pytorch.attention.dot_product_attention.backends import FlashAttentionV4, FusedAttention, UnfusedDotProductAttention
+from transformer_engine.pytorch.attention.dot_product_attention.backends import (FlashAttentionV4, FusedAttention,
+                                                                                UnfusedDotProductAttention, kernel_ops)
 from transformer_engine.pytorch.attention.dot_product_attention.backends.kernel_problem import KernelProblem, KernelRun, ScoreFeatures
 from transformer_engine.pytorch.attention.dot_product_attention.backends.unfused_kernel import UnfusedKernel
 from transformer_engine.pytorch.attention.dot_product_attention.cp.spans import StepMask, make_span, span_kernel
@@ -265,9 +266,14 @@ def _module_parity(backend, inputs, kwargs, **module_kwargs):
 
 @pytest.mark.parametrize("gaps", [False, True])
 @pytest.mark.parametrize("policies", [False, True])
-def test_module_thd_cudnn_runs(cudnn_lib, gaps, policies):
+def test_module_thd_cudnn_runs(cudnn_lib, monkeypatch, gaps, policies):
     """cuDNN always takes valid lengths (also without gaps: the plan makes them once for the
     forward and backward); several policies are runs over the whole batch into one buffer."""
+    offsets = {}  # the ops' offsets_q argument, per op: int64 (cuDNN's ragged offsets), made once per forward
+    for name, at in (("cudnn_fwd", 4), ("cudnn_bwd", 9)):
+        real = kernel_ops._EAGER[name]
+        monkeypatch.setitem(kernel_ops._EAGER, name, lambda *a, real=real, name=name, at=at: (
+            offsets.setdefault(name, []).append(a[at]), real(*a))[1])
     p, kwargs = _thd(gaps)
     if policies:
         kwargs["thd_sequence_is_causal"] = torch.tensor([True, False, True])
@@ -275,10 +281,10 @@ def test_module_thd_cudnn_runs(cudnn_lib, gaps, policies):
     assert torch.all(out[~p.valid_q] == 0) and all(torch.all(t[~p.valid_q] == 0) for t in grads)
     fwds, bwds = cudnn_lib.of("fwd"), cudnn_lib.of("bwd")
     assert len(fwds) == len(bwds) == (2 if policies else 1)
-    offsets = (p.off_q if gaps else p.cu_q).tolist()
+    assert len(offsets["cudnn_fwd"]) == len(offsets["cudnn_bwd"]) == len(fwds)
+    assert all(f.dtype == torch.int64 and b is f for f, b in zip(offsets["cudnn_fwd"], offsets["cudnn_bwd"]))
     for (fwd, fwd_pack), (_, bwd_pack) in zip(fwds, bwds):
-        assert offsets_of(fwd_pack, "q").tolist() == offsets and (fwd.b, fwd.sq, fwd.skv) == (3, 6, 6)
-        assert pack_of(fwd_pack, "rq").dtype == pack_of(bwd_pack, "rq").dtype == torch.int64
+        assert offsets_of(fwd_pack, "q").tolist() == (p.off_q if gaps else p.cu_q).tolist() and (fwd.b, fwd.sq, fwd.skv) == (3, 6, 6)
         for side in ("q", "kv"):  # made once per forward: the backward's lengths are the same tensor
             assert lengths_of(bwd_pack, side).data_ptr() == lengths_of(fwd_pack, side).data_ptr()
     lengths = {True: [5, 3, 6]} if not policies else {True: [5, 0, 6], False: [0, 3, 0]}  # by causal
