@@ -6,6 +6,7 @@ padding row is exactly 0."""
 from __future__ import annotations
 
 import os
+import tempfile
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -13,9 +14,11 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from transformer_engine.pytorch import DotProductAttention, partition_for_context_parallel
 
+from .dist_helpers import free_port, start_method
 from .reference import reference_dense, reference_thd
 
 
@@ -337,3 +340,29 @@ def worker(rank: int, world: int, port: int, cases: List[Case], outdir: str, dev
         with open(os.path.join(outdir, f"rank{rank}.tsv"), "w") as f:
             f.write("\n".join(results))
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------- the test side
+
+CAUSAL_WINDOW = (("padding_causal", (3, 0)), ("padding", None), ("padding_causal", None))
+
+
+def spawn(world, cases, device="cpu", env=None):
+    with tempfile.TemporaryDirectory() as outdir:
+        method = "spawn" if device == "cuda" else start_method()  # ranks that use CUDA must not be forked
+        mp.start_processes(worker, args=(world, free_port(), cases, outdir, device, env), nprocs=world, join=True,
+                           start_method=method)
+        results = {}
+        for rank in range(world):
+            with open(f"{outdir}/rank{rank}.tsv") as f:
+                for line in f.read().splitlines():
+                    case_id, status = line.split("\t", 1)
+                    results.setdefault(case_id, []).append(status.replace("\\n", "\n"))
+    return results
+
+
+def check_case(results, case_id, world):
+    statuses = results.get(case_id)
+    assert statuses is not None and len(statuses) == world, f"{case_id}: not run on every rank"
+    failures = [s for s in statuses if not s.startswith("ok")]
+    assert not failures, failures[0]

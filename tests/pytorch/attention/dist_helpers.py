@@ -1,8 +1,9 @@
-"""Run a test body on N CPU processes joined by a gloo process group (torch.multiprocessing spawn).
+"""Run a test body on N CPU processes joined by a gloo process group (torch.multiprocessing;
+forked where possible, see :func:`start_method`).
 
 The body is a module-level function ``body(rank, world_size, *args)``; an exception in any rank
 fails the test with that rank's traceback. :func:`run_bodies` runs several bodies in one spawn
-(a spawn re-imports the test module in every process: seconds each with megatron-core) and
+(a spawned process re-imports the test module: seconds each with megatron-core) and
 reports each body's result, so one test per body still says which failed.
 """
 
@@ -20,7 +21,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def start_method() -> str:
+    """"fork" while this process has not touched CUDA: a forked rank starts with the modules
+    already imported (a spawned one imports torch, the package and the test module again, seconds
+    of CPU per rank); "spawn" once it has (a forked child cannot use CUDA after its parent did)."""
+    return "spawn" if torch.cuda.is_initialized() else "fork"
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -38,7 +46,8 @@ def _entry(rank: int, world_size: int, port: int, body, args) -> None:
 
 def run_distributed(body, world_size: int = 2, *args) -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    mp.spawn(_entry, args=(world_size, _free_port(), body, args), nprocs=world_size, join=True)
+    mp.start_processes(_entry, args=(world_size, free_port(), body, args), nprocs=world_size, join=True,
+                       start_method=start_method())
 
 
 def _bodies_entry(rank: int, world_size: int, port: int, bodies, outdir: str) -> None:
@@ -64,7 +73,8 @@ def run_bodies(bodies, world_size: int):
     ``world_size`` ranks; returns {name: [each rank's "ok" or traceback]}."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
     with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_bodies_entry, args=(world_size, _free_port(), bodies, outdir), nprocs=world_size, join=True)
+        mp.start_processes(_bodies_entry, args=(world_size, free_port(), bodies, outdir), nprocs=world_size, join=True,
+                           start_method=start_method())
         per_rank = []
         for rank in range(world_size):
             with open(os.path.join(outdir, f"rank{rank}.json")) as f:

@@ -27,6 +27,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from .reference import allowed_matrix, attend_one
+
 HID, H, D = 32, 4, 8
 EPS = 1e-5
 
@@ -140,11 +142,9 @@ def _qkv(sd, v: Variant, x: torch.Tensor, enc: Optional[torch.Tensor]):
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """[sq, h, d] x [skv, h, d] -> [sq, h, d]; causal is top-left aligned."""
-    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
-    if causal:
-        scores = scores.masked_fill(torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).triu(1), float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    """[sq, h, d] x [skv, hg, d] -> [sq, h, d]: the float64 reference, causal top-left."""
+    mask = allowed_matrix(q.shape[0], k.shape[0], "causal" if causal else "no_mask")
+    return attend_one(q, k, v, mask, 1 / math.sqrt(q.shape[-1])).to(q.dtype)
 
 
 def te_forward(sd: Dict[str, torch.Tensor], v: Variant, x: torch.Tensor, enc: Optional[torch.Tensor] = None,
@@ -153,8 +153,6 @@ def te_forward(sd: Dict[str, torch.Tensor], v: Variant, x: torch.Tensor, enc: Op
     ``lengths`` (one packed batch used for both sides)."""
     assert v.tp == 1 and v.softmax_type == "vanilla"
     q, k, val = _qkv(sd, v, x, enc)
-    rep = v.heads // v.hg
-    k, val = k.repeat_interleave(rep, dim=-2), val.repeat_interleave(rep, dim=-2)
     causal = v.attention_type == "self"
     if fmt == "thd":
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
@@ -174,3 +172,13 @@ def variants(**fixed) -> List[Variant]:
         values = (fixed[name],) if name in fixed else values
         out = [replace(v, **{name: value}) for v in out for value in values]
     return [replace(v, **{k: val for k, val in fixed.items() if k not in grid}) for v in out]
+
+
+def te_inputs(v: Variant, fmt: str = "sbhd", seed: int = 1):
+    """Hidden states (and, for cross attention, encoder output) in ``fmt``, float64."""
+    g = torch.Generator().manual_seed(seed)
+    shape = {"sbhd": (5, 2, v.hidden), "bshd": (2, 5, v.hidden), "thd": (9, v.hidden)}[fmt]
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    enc_shape = {"sbhd": (7, 2, v.hidden), "bshd": (2, 7, v.hidden), "thd": (9, v.hidden)}[fmt]
+    enc = torch.randn(enc_shape, generator=g, dtype=torch.float64) if v.attention_type == "cross" else None
+    return x, enc

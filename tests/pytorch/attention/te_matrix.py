@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import itertools
 import json
 import math
 import os
@@ -39,12 +40,13 @@ import time
 import warnings
 import zlib
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from .gpu_helpers import env  # the NVTE switches for one case, restored after it
+from .reference import reference_dense, reference_thd, standard_slopes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -266,6 +268,24 @@ def all_cases(families=None) -> List[Case]:
     return out
 
 
+def cpu_cases() -> List[Case]:
+    """The cases the CPU runs: one per configuration that stays distinct once :func:`sized`
+    shrinks it (head dims 64 and 512 both become a few channels; what remains is the layout,
+    the mask and window, the bias, gaps, dtype, gradients, and how heads, lengths and head
+    dims relate)."""
+    def shape(c: Case) -> tuple:
+        heads = "mha" if c.hg == c.h else "mqa" if c.hg == 1 else "gqa"
+        lengths = "eq" if c.sq == c.skv else "decode" if c.sq == 1 else "lt" if c.sq < c.skv else "gt"
+        return heads, lengths, c.dqk == c.dv
+
+    seen: Dict[tuple, Case] = {}
+    for c in all_cases():
+        key = (c.layout, c.mask, c.window is not None, c.bias, c.bias_shape if c.bias != "no_bias" else "", c.gaps,
+               c.declared if c.packing else None, c.grad, c.checkpoint, c.dtype, shape(c))
+        seen.setdefault(key, c)
+    return list(seen.values())
+
+
 def groups(backends, families=None) -> Dict[str, List[Case]]:
     """{"fa4:thd:0": [cases]}: one worker process per group."""
     out = {}
@@ -282,6 +302,15 @@ def groups(backends, families=None) -> Dict[str, List[Case]]:
 def group_of(short: str, case: Case) -> str:
     cases = FAMILIES[case.family]()
     return f"{short}:{case.family}:{cases.index(case) // GROUP_SIZE}"
+
+
+def recorded() -> Dict[Tuple[str, str], str]:
+    """The last H200 run (``te_matrix_expected.json`` beside this file, written from that run's
+    jsonl): {(backend label, case id): status}."""
+    with open(os.path.join(os.path.dirname(__file__), "te_matrix_expected.json")) as f:
+        outcomes = json.load(f)["outcomes"]
+    return {(label, case_id): status for label, by_status in outcomes.items() for status, ids in by_status.items()
+            for case_id in ids}
 
 
 # ------------------------------------------------------------------------------------ sizes
@@ -464,57 +493,9 @@ def make_module(c: Case, device: str):
 # ------------------------------------------------------------------------------------ reference
 
 
-def standard_slopes(h: int) -> torch.Tensor:
-    """ALiBi's geometric slopes (Press et al.): for a power of two n, 2^(-8i/n), i = 1..n;
-    otherwise those of the largest power of two below h, then every other slope of twice it."""
-    def geometric(n):
-        return [2.0 ** (-8.0 * i / n) for i in range(1, n + 1)]
-
-    p = 2 ** int(math.floor(math.log2(h)))
-    return torch.tensor(geometric(p) + geometric(2 * p)[0::2][: h - p], dtype=torch.float64)
-
-
-def allowed(n: int, m: int, mask: str, window, device="cpu") -> torch.Tensor:
-    """[n, m] bool, TE semantics: causal and padding_causal align the diagonal top-left, every
-    other mask (windows included) bottom-right; a causal mask has right bound 0."""
-    i = torch.arange(n, device=device).view(n, 1)
-    j = torch.arange(m, device=device).view(1, m)
-    shift = 0 if mask in ("causal", "padding_causal") else m - n
-    left, right = window if window is not None else (-1, -1)
-    if "causal" in mask:
-        right = 0
-    ok = torch.ones(n, m, dtype=torch.bool, device=device)
-    if right >= 0:
-        ok &= j <= i + shift + right
-    if left >= 0:
-        ok &= j >= i + shift - left
-    return ok
-
-
-def alibi_bias(n: int, m: int, mask: str, slopes: torch.Tensor) -> torch.Tensor:
-    """[h, n, m]: -slope * |j - i| for the top-left masks, -slope * |j - i - (m - n)| else."""
-    shift = 0 if mask in ("causal", "padding_causal") else m - n
-    i = torch.arange(n, device=slopes.device, dtype=torch.float64).view(n, 1)
-    j = torch.arange(m, device=slopes.device, dtype=torch.float64).view(1, m)
-    return -slopes.view(-1, 1, 1) * (j - i - shift).abs()
-
-
-def attend64(q, k, v, ok, scale, bias=None) -> torch.Tensor:
-    """q [n, h, d], k [m, hg, d], v [m, hg, dv] (float64) -> [n, h, dv]; a query that sees no
-    key gives 0 (and no NaN in any gradient)."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    scores = torch.einsum("nhd,mhd->hnm", q, k) * scale
-    if bias is not None:
-        scores = scores + bias
-    live = ok.any(-1, keepdim=True)
-    scores = torch.where(ok & live, scores, torch.where(live, -math.inf, 0.0))
-    probs = torch.softmax(scores, dim=-1) * ok
-    return torch.einsum("hnm,mhd->nhd", probs, v)
-
-
 def reference(c: Case, inp: Inputs, device: str):
-    """(float64 output in the module's layout, float64 leaves {q, k, v, bias}) for backward."""
+    """(float64 output in the module's layout, float64 leaves {q, k, v, bias}) for backward:
+    the float64 reference of reference.py on the case's inputs."""
     sh = sized(c, device)
     ref = {n: t.detach().to(torch.float64).requires_grad_() for n, t in (("q", inp.q), ("k", inp.k), ("v", inp.v))}
     if inp.bias is not None:
@@ -524,26 +505,12 @@ def reference(c: Case, inp: Inputs, device: str):
     if c.bias == "alibi":
         slopes = inp.slopes.double() if inp.slopes is not None else standard_slopes(sh.h).to(device)
     if c.fmt == "thd":
-        out = torch.zeros(inp.q.shape[0], sh.h, sh.dv, dtype=torch.float64, device=device)
-        for i, (n, m) in enumerate(zip(inp.lengths_q, inp.lengths_kv)):
-            a, s = inp.starts_q[i], inp.starts_kv[i]
-            ok = allowed(n, m, c.mask, sh.window, device)
-            bias = alibi_bias(n, m, c.mask, slopes) if slopes is not None else None
-            out = out.index_put((torch.arange(a, a + n, device=device),), attend64(ref["q"][a : a + n], ref["k"][s : s + m],
-                                                                               ref["v"][s : s + m], ok, scale, bias))
+        cu_q, cu_kv = ([0] + list(itertools.accumulate(lengths)) for lengths in (inp.lengths_q, inp.lengths_kv))
+        out = reference_thd(ref["q"], ref["k"], ref["v"], cu_q, cu_kv, inp.starts_q, inp.starts_kv, c.mask, sh.window, scale,
+                            slopes=slopes)
         return out.flatten(-2), ref
     q, k, v = (ref[n] if c.fmt == "bshd" else ref[n].transpose(0, 1) for n in "qkv")
-    rows = []
-    for i, (n, m) in enumerate(zip(inp.lengths_q, inp.lengths_kv)):
-        ok = allowed(n, m, c.mask, sh.window, device)
-        bias = None
-        if "bias" in ref:
-            bias = ref["bias"][i if ref["bias"].shape[0] > 1 else 0].expand(sh.h, sh.sq, sh.skv)[:, :n, :m]
-        elif slopes is not None:
-            bias = alibi_bias(n, m, c.mask, slopes[i] if slopes.dim() == 2 else slopes)
-        o = attend64(q[i, :n], k[i, :m], v[i, :m], ok, scale, bias)
-        rows.append(torch.cat([o, o.new_zeros(sh.sq - n, sh.h, sh.dv)]))
-    out = torch.stack(rows)
+    out = reference_dense(q, k, v, c.mask, sh.window, scale, inp.lengths_q, inp.lengths_kv, bias=ref.get("bias"), slopes=slopes)
     out = out if c.fmt == "bshd" else out.transpose(0, 1)
     return out.flatten(-2), ref
 

@@ -32,7 +32,6 @@ from transformer_engine.pytorch.attention.dot_product_attention.selection.librar
 from transformer_engine.pytorch.attention.dot_product_attention.selection.params import AttentionParams
 
 from .packing import make_thd
-from .test_kernel_interface import lib  # noqa: F401  (the stand-in FA4/cuDNN library fixture, used below)
 
 ALL = InstalledLibraries(flash_attn_2="2.7.4", flash_attn_3="3.0.0", flash_attn_4="4.0.0b36", cudnn_frontend="1.32.0",
                          cudnn=92600)
@@ -225,16 +224,32 @@ def test_the_fast_path_key_carries_the_sequence_bucket_only_while_on(monkeypatch
 # ------------------------------------------------------------------ the module path
 
 
+class _Ran:
+    """What the FA4 and cuDNN stand-ins (``stand_ins/``) ran, by library and direction:
+    ``fa4_fwd``, ``cudnn_bwd``..., FA4's first."""
+
+    def __init__(self, fa4_lib, cudnn_lib) -> None:
+        self._fa4, self._cudnn = fa4_lib, cudnn_lib
+
+    @property
+    def calls(self) -> list:
+        return [f"fa4_{kind}" for kind, _ in self._fa4.calls] + [f"cudnn_{node.direction}" for node, _ in self._cudnn.runs]
+
+    def clear(self) -> None:
+        self._fa4.calls.clear()
+        self._cudnn.runs.clear()
+
+
 @pytest.fixture
-def runnable_on_cpu(monkeypatch, lib):  # noqa: F811  (the imported fixture)
-    """FA4 and cuDNN declared runnable on the CPU (the stand-in library runs their ops), and
-    deterministic mode off (the stand-in fixture turns it on; it would keep autotune away)."""
+def runnable_on_cpu(monkeypatch, fa4_lib, cudnn_lib):
+    """FA4 and cuDNN declared runnable on the CPU (their stand-in libraries run), and
+    deterministic mode off (the stand-in fixtures turn it on; it would keep autotune away)."""
     for backend in (FlashAttentionV4, FusedAttention):
         monkeypatch.setattr(backend, "SUPPORTED_DEVICES", frozenset({"cpu", "cuda"}))
     monkeypatch.setattr(backend_selection, "installed_libraries", lambda: ALL)
     backend_selection._select.cache_clear()
     torch.use_deterministic_algorithms(False)
-    yield lib
+    yield _Ran(fa4_lib, cudnn_lib)
     backend_selection._select.cache_clear()
 
 
@@ -249,7 +264,7 @@ def test_the_module_runs_the_measured_backend_and_keeps_it(runnable_on_cpu, timi
     for _ in range(2):
         dpa(*qkv, **kwargs).float().sum().backward()
     assert dpa.last_selection.label == CUDNN and "chosen by autotune" in dpa.last_selection.report()
-    assert [name for name, _ in runnable_on_cpu.calls] == ["cudnn_fwd", "cudnn_bwd"] * 2
+    assert runnable_on_cpu.calls == ["cudnn_fwd", "cudnn_bwd"] * 2
     assert sorted(timings.asked) == sorted([FA4, CUDNN])  # timed on the first call only (fast path after)
 
 
@@ -259,7 +274,7 @@ def test_the_module_never_runs_a_refusing_backend(runnable_on_cpu, timings):
     dpa, qkv, kwargs = _module_call(lengths_kv=[7, 2, 6])
     dpa(*qkv, **kwargs)
     assert dpa.last_selection.label == CUDNN and timings.asked == []  # one candidate: nothing to time
-    assert {name for name, _ in runnable_on_cpu.calls} == {"cudnn_fwd"}
+    assert set(runnable_on_cpu.calls) == {"cudnn_fwd"}
 
 
 def test_measure_times_detached_views_and_restores_the_rng(runnable_on_cpu):
@@ -278,8 +293,8 @@ def test_measure_times_detached_views_and_restores_the_rng(runnable_on_cpu):
         dpa(*qkv, **kwargs)
     inp = captured["inp"]
     state = torch.get_rng_state()
-    runnable_on_cpu.calls.clear()
+    runnable_on_cpu.clear()
     ms = autotune.measure(FusedAttention, inp, True, "eager")
     assert ms > 0 and torch.equal(torch.get_rng_state(), state)
     assert all(t.grad is None for t in qkv)
-    assert [name for name, _ in runnable_on_cpu.calls] == ["cudnn_fwd", "cudnn_bwd"] * (1 + autotune.REPEATS)
+    assert runnable_on_cpu.calls == ["cudnn_fwd", "cudnn_bwd"] * (1 + autotune.REPEATS)

@@ -5,20 +5,16 @@ reference on the global batch, and padding rows must be exactly 0."""
 from __future__ import annotations
 
 import re
-import socket
-import tempfile
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from transformer_engine.pytorch import DotProductAttention, gather_context_parallel, get_cp_partition_indices, partition_for_context_parallel
 from transformer_engine.pytorch.attention.dot_product_attention.cp.support import cp_support_markdown
 from transformer_engine.pytorch.attention.dot_product_attention.cp.comm import CPComm
 
-from .cp_cases import Case, worker
+from .cp_cases import CAUSAL_WINDOW, Case, check_case, spawn
 
-CAUSAL_WINDOW = (("padding_causal", (3, 0)), ("padding", None), ("padding_causal", None))
 WINDOWS_A2A = (("padding", (2, 3)), ("padding_causal", (4, 0)), ("padding", None))
 
 WORLD2 = [
@@ -79,49 +75,24 @@ WORLD4 = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(world, cases, device="cpu", env=None):
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(worker, args=(world, _free_port(), cases, outdir, device, env), nprocs=world, join=True)
-        results = {}
-        for rank in range(world):
-            with open(f"{outdir}/rank{rank}.tsv") as f:
-                for line in f.read().splitlines():
-                    case_id, status = line.split("\t", 1)
-                    results.setdefault(case_id, []).append(status.replace("\\n", "\n"))
-    return results
-
-
 @pytest.fixture(scope="module")
 def world2():
-    return _spawn(2, WORLD2)
+    return spawn(2, WORLD2)
 
 
 @pytest.fixture(scope="module")
 def world4():
-    return _spawn(4, WORLD4)
-
-
-def _check(results, case_id, world):
-    statuses = results.get(case_id)
-    assert statuses is not None and len(statuses) == world, f"{case_id}: not run on every rank"
-    failures = [s for s in statuses if not s.startswith("ok")]
-    assert not failures, failures[0]
+    return spawn(4, WORLD4)
 
 
 @pytest.mark.parametrize("case_id", [c.id for c in WORLD2])
 def test_world2(world2, case_id):
-    _check(world2, case_id, 2)
+    check_case(world2, case_id, 2)
 
 
 @pytest.mark.parametrize("case_id", [c.id for c in WORLD4])
 def test_world4(world4, case_id):
-    _check(world4, case_id, 4)
+    check_case(world4, case_id, 4)
 
 
 # ---------------------------------------------------------------------------------- partition helpers

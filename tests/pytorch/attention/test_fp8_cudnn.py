@@ -1,6 +1,6 @@
 """FusedAttention's FP8 path on the CPU: its declaration (every FP8 rule named with its reason),
 and its wiring with the cuDNN FP8 ops replaced by a stand-in that computes what cudnn-frontend's
-FP8 graphs describe (``fp8_cudnn_standin.py``): the FP8 Q/K/V bytes, the scalar tables, the slots
+FP8 graphs describe (``stand_ins/cudnn_fp8.py``): the FP8 Q/K/V bytes, the scalar tables, the slots
 each amax lands in, the delayed-scaling state over steps against the unfused emulation, a
 declared packed buffer cast once and handed over zero-copy, THD, NVTE_FP8_DPA_BWD=0, and the FP8
 casts themselves (the Triton kernel through Triton's interpreter). The GPU side is
@@ -22,7 +22,7 @@ from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn i
 from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn.fp8_graphs import FWD_SCALARS
 from transformer_engine.pytorch.attention.dot_product_attention.selection.libraries import InstalledLibraries
 
-from .fp8_cudnn_standin import FP8CudnnStandIn, cast
+from .stand_ins.cudnn_fp8 import FP8CudnnStandIn, cast
 from .fp8_helpers import DO, DP, DQKV, QKV, delayed, fp8_clean  # noqa: F401  (fp8_clean: the autouse fixture)
 from .packing import make_thd
 

@@ -13,7 +13,6 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
-from transformer_engine.pytorch.attention import backend_scope
 from transformer_engine.pytorch.attention.dot_product_attention.selection.backend_selection import NoBackendError
 from transformer_engine.pytorch.distributed import activation_recompute_forward
 
@@ -345,39 +344,3 @@ def test_megatron_fp8_configurations_refused_by_name(monkeypatch):
     config, attn, masks = _megatron(fp8_multi_head_attention=True)
     with get_fp8_context(config), pytest.raises(NotImplementedError, match=r"\(fp8_mha=True\) is not implemented"):
         attn(q, k, v, None, masks.causal)
-
-
-# ---------------------------------------------------------------------------------- on a GPU
-
-
-def _gpu_case(fmt: str, device: str):
-    if fmt == "thd":
-        p = make_thd([40, 17, 64], gaps_q=[3, 0, 5], h=4, hg=2, d=64, dtype=torch.bfloat16, device=device, seed=90)
-        return module(h=4, hg=2, d=64, fmt="thd", mask="padding_causal"), (p.q, p.k, p.v), p.kwargs(True, 64, 64, shared=True)
-    return module(h=4, hg=2, d=64), tuple(t.detach().to(device).requires_grad_() for t in bshd(91, h=4, hg=2)), {}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["bshd", "thd"])
-def test_gpu_emulation_is_sync_free_and_matches_the_cpu(fmt):
-    """The emulation on CUDA: a training step (forward in the region, its exit's update, the
-    backward and its update) makes no host sync, and computes what the CPU emulation computes."""
-    results = {}
-    for device in ("cpu", "cuda"):
-        dpa, inputs, kwargs = _gpu_case(fmt, device)
-        dout = torch.randn(inputs[0].shape[0], *inputs[0].shape[1:-2], 256, generator=torch.Generator().manual_seed(92))
-        dout = dout.to(torch.bfloat16).to(device)
-        with backend_scope(allow=["unfused"]):  # the emulation, also where cuDNN would run FP8
-            step(dpa, *(t.detach().requires_grad_() for t in inputs), delayed(), dout, **kwargs)  # warm-up: lazy inits
-        if device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            with backend_scope(allow=["unfused"]):
-                out = step(dpa, *inputs, delayed(), dout, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        results[device] = [out.cpu()] + [t.grad.cpu() for t in inputs] + [dpa._fp8_state.fwd.scale.cpu(), dpa._fp8_state.bwd.scale.cpu()]
-    for got, want in zip(results["cuda"], results["cpu"]):
-        got, want = torch.nan_to_num(got), torch.nan_to_num(want)
-        assert _share_unequal(got, want) < 0.02 or torch.allclose(got.float(), want.float(), rtol=1e-5)

@@ -1,6 +1,7 @@
 """FlashAttention v4 and FusedAttention (cuDNN) against the unfused backend on the GPU:
 formats x masks x GQA x windows x THD (with and without gaps), fp16/bf16, forward and
-dQ/dK/dV; plus CUDA-graph capture and torch.compile. Skipped without CUDA."""
+dQ/dK/dV; gaps against the same batch packed without them; plus CUDA-graph capture and
+torch.compile. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from transformer_engine.pytorch import DotProductAttention
 
 from .gpu_helpers import GPU_BACKENDS, check_graph_replay, grads_of, rel_err, run_on
-from .packing import make_thd
+from .packing import GAP_CASES, check_gaps_vs_dense_packing, make_thd
 
 pytestmark = pytest.mark.gpu
 H, D = 4, 128
@@ -58,8 +59,7 @@ def test_thd(label, mask, window, hg, gaps, dtype):
     dpa = DotProductAttention(H, D, num_gqa_groups=hg, qkv_format="thd", attn_mask_type=mask, window_size=window)
     kwargs = p.kwargs(gaps, max(LENGTHS), max(LENGTHS), shared=True)
     if not gaps:  # without gaps the tail past the last sequence holds finite garbage, not NaN
-        for t in (p.q, p.k, p.v):
-            t.data[~p.valid_q] = 7.0
+        p.fill_outside(7.0)
     _compare(label, dpa, [p.q, p.k, p.v], kwargs, dtype, (p.valid_q, p.valid_kv))
 
 
@@ -87,6 +87,20 @@ def test_dense(label, fmt, mask, sq, skv):
     # FlashAttention takes padding only as cu_seqlens (declared; skipped with that reason).
     refusal = "attention_mask=padding mask" if label == "FlashAttention v4" and mask.startswith("padding") else None
     _compare(label, dpa, inputs, kwargs, dtype, expect_refusal=refusal)
+
+
+@pytest.mark.parametrize("label", list(GPU_BACKENDS))
+@pytest.mark.parametrize("mask,window,hg,cross", GAP_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gaps_equal_the_batch_packed_without_them(label, mask, window, hg, cross, dtype):
+    if dtype == torch.float16 and (window is not None or cross):
+        pytest.skip("fp16 runs the plain cases only (keeps the JIT compile count down)")
+    lengths_q = [200, 17, 333, 64]
+    lengths_kv = [150, 220, 40, 64] if cross else lengths_q
+    p = make_thd(lengths_q, lengths_kv, [8, 31, 0, 100], [3, 0, 77, 5] if cross else None, h=H, hg=hg, d=D,
+                 dtype=dtype, device="cuda", tail=9)
+    window = None if window is None else tuple(16 * w for w in window)
+    check_gaps_vs_dense_packing(label, p, lengths_q, lengths_kv, mask, window, hg, D, 2e-2, shared=not cross, heads=H)
 
 
 @pytest.mark.parametrize("label", list(GPU_BACKENDS))

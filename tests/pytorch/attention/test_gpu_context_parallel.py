@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from .cp_cases import Case
-from .test_context_parallel import CAUSAL_WINDOW, _check, _spawn
+from .cp_cases import CAUSAL_WINDOW, Case, check_case, spawn
+
+pytestmark = pytest.mark.gpu
 
 GPU_CASES = [
     Case("p2p-causal-gaps", "p2p", dtype="bfloat16", d=64),
@@ -29,16 +30,15 @@ KERNEL_ENV = {
 
 @pytest.fixture(scope="module", params=list(KERNEL_ENV))
 def gpu_results(request):
-    return request.param, _spawn(2, GPU_CASES, device="cuda", env=KERNEL_ENV[request.param])
+    return request.param, spawn(2, GPU_CASES, device="cuda", env=KERNEL_ENV[request.param])
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("case_id", [c.id for c in GPU_CASES])
 def test_gpu_cp_kernel(gpu_results, case_id):
     label, results = gpu_results
     statuses = results.get(case_id) or []
     if statuses and all("NotImplementedError" in s for s in statuses):  # every case here ran on both (H200, 2026-12-03)
         pytest.fail(f"{label} refused {case_id}: {statuses[0].splitlines()[-1]}")
-    _check(results, case_id, 2)
+    check_case(results, case_id, 2)
     ran = {s.split("\t")[1] for s in statuses if "\t" in s}
     assert ran <= {label, "ordinary path (a2a)"}, f"expected {label}, ran {ran}"

@@ -232,7 +232,7 @@ def test_max_logit_dense(fmt, mask, hg, grad):
 
 def test_max_logit_dense_cross_attention_bottom_right():
     """sq < skv, bottom-right causal: each row sees a different number of keys. (sq > skv without a
-    padding mask is cudnn-frontend's refusal: see test_backend_selection's cuDNN rules.)"""
+    padding mask is cudnn-frontend's refusal: see test_cudnn_adapter.py's probed rules.)"""
     q = _dense(2, 128, 4, 64)[0]
     k, v = _dense(2, 192, 4, 64)[1:]
     dpa = DotProductAttention(4, 64, qkv_format="bshd", attn_mask_type="causal_bottom_right", return_max_logit=True)

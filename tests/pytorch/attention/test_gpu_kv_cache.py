@@ -11,6 +11,9 @@
   batch of rows; lengths and page table in device tensors): every step's logits against eager
   full recomputation within bf16 tolerance, and the greedy tokens equal where the top two are
   clearly apart.
+- The cache core alone (InferenceParams' step and the reference ``attention_over_cache``, as
+  test_kv_cache.py runs them on the CPU): sync-free steps, and both layers' append and
+  attention replayed from a CUDA graph while sequences join and finish.
 
     python -m pytest -q tests/pytorch/attention/test_gpu_kv_cache.py
 """
@@ -29,9 +32,11 @@ import torch
 
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import backend_scope
+from transformer_engine.pytorch.attention.inference import InferenceParams, attention_over_cache
 
 from .gpu_helpers import run_on, sync_errors
 from .kv_schedules import LAYERS, Config, Packing, Picker, Simulation, check_output, pack, round_history
+from .test_kv_cache import run_step
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[3]
@@ -141,3 +146,78 @@ def test_decode_steps_replay_from_a_cuda_graph_as_sequences_finish_and_join(labe
     # Top-2 gaps of 512 logits (std ~4) fall under bf16's 0.2 tie margin ~17% of the time (16% on
     # the H200), so about 1000 of ~1220 steps are compared; far fewer would mean little was checked.
     assert report.compared >= 0.75 * (report.compared + report.ties), "too many ties for the check to mean much"
+
+
+# ------------------------------------------------------------------ the cache core alone (test_kv_cache.py's reference path)
+
+
+def _core_config(fmt: str, paged: bool) -> Config:
+    return Config(fmt=fmt, paged=paged, page_size=4, max_seqlen=32, max_batch=4, total_pages=32 if paged else None,
+                  hkv=2, group=2, d=16, dv=8, max_ctx=6, mask="padding_causal", window=None, device="cuda")
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_gpu_step_and_reference_are_sync_free(fmt, paged):
+    cfg = _core_config(fmt, paged)
+    params, sim, pick = cfg.params(), Simulation(cfg, seed=2), Picker(rng=random.Random(2))
+    for layer in LAYERS:
+        params.allocate_memory(layer)
+    for _ in range(6):
+        step_dict = sim.draw_step(pick)
+        params.pre_step(step_dict)
+        sim.apply(step_dict)
+        torch.cuda.synchronize()
+        run_step(params, sim, step_dict, Packing(extra_b=0, extra_s=1, tail=1), guard=sync_errors)
+
+
+def _fixed_packing(cfg: Config, step_dict) -> Packing:
+    """Padding up to the captured shapes: max_batch rows of max_ctx positions, or as many thd rows."""
+    lens = list(step_dict.values())
+    return Packing(extra_b=cfg.max_batch - len(lens), extra_s=cfg.max_ctx - max(lens),
+                   tail=cfg.max_batch * cfg.max_ctx - sum(lens))
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_gpu_steps_replay_in_a_cuda_graph_as_sequences_join_and_finish(fmt, paged):
+    """Both layers' append and attention captured once, then replayed for 64 steps of a random
+    schedule (pre_step eager between replays; rows move and pages change under the graph)."""
+    cfg = _core_config(fmt, paged)
+    params, sim, pick = cfg.params(), Simulation(cfg, seed=3), Picker(rng=random.Random(3))
+    for layer in LAYERS:
+        params.allocate_memory(layer)
+    static, outs, graph = None, None, None
+    for _ in range(64):
+        step_dict = sim.draw_step(pick)
+        params.pre_step(step_dict)
+        sim.apply(step_dict)
+        packing = _fixed_packing(cfg, step_dict)
+        inputs = {layer: [pack(cfg, step_dict, [sim.history[(layer, s)][w][-n:] for s, n in step_dict.items()], packing)
+                          for w in range(3)] for layer in LAYERS}
+        if graph is None:
+            static = inputs
+            graph, outs = _capture(params, cfg, static)
+        for layer in LAYERS:
+            for dst, src in zip(static[layer], inputs[layer]):
+                dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        for layer in LAYERS:
+            check_output(outs[layer].cpu(), sim, layer, step_dict)
+
+
+def _capture(params: InferenceParams, cfg: Config, static):
+    def body():
+        return {layer: attention_over_cache(q, params.step(layer, k, v, cfg.fmt), attn_mask_type=cfg.mask)
+                for layer, (q, k, v) in static.items()}
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()  # warm-up: the offsets' constants are made here, outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = body()
+    return graph, outs

@@ -1,185 +1,164 @@
-"""The one kernel interface (kernel_problem.py) on the CPU, from both of its callers: the
+"""The one kernel interface (kernel_problem.py) on the CPU. The unfused kernel against the float64
+reference (span calls as context parallelism makes them, drawn by hypothesis; a varlen problem
+with two policies; a dense problem with padding and sq != skv; forward, and the backward from the
+kernel's own out/LSE, as a schedule hands them). FA4's and cuDNN's, from both callers: the
 module's autograd (a problem made from the prepared inputs and their THD plan) and context
 parallelism (``spans.SpanAdapter``, a one-run problem per span call).
 
-The FA4 and cuDNN ops are replaced by a float64 stand-in library that records every call's
-arguments and computes it per sequence with each library's documented semantics: FA4 writes
-only the rows it runs (the rest hold NaN here) and an LSE [H, T] by physical row; cuDNN too
-writes only the rows it runs, leaving the others as the caller made them (the tests run in
-deterministic mode, where torch NaN-fills uninitialized memory, so an unwritten row of an
-empty buffer shows; like cuDNN, it leaves a query row that sees no key unwritten), and
-returns stats [B, H, SQ, 1] by position (NaN past each length); both
-backwards use the LSE/stats they are given (as the real ones do, so context parallelism's
-final LSE reaches them). Results are compared with the unfused span kernel and backend."""
+FA4 and cuDNN are the library stand-ins (``stand_ins/``: they write only the rows they run,
+cuDNN leaves a query row that sees no key unwritten, and both backwards use the LSE / stats
+they are handed, as context parallelism's final LSE reaches them); unwritten buffer rows are
+NaN. Results are compared with the unfused span kernel and backend."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import backend_scope
-from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
-from transformer_engine.pytorch.attention.dot_product_attention.backends import FlashAttentionV4, FusedAttention, UnfusedDotProductAttention
+from transformer_engine.pytorch.attention.dot_product_attention.backends import (FlashAttentionV4, FusedAttention,
+                                                                                UnfusedDotProductAttention, kernel_ops)
+from transformer_engine.pytorch.attention.dot_product_attention.backends.kernel_problem import KernelProblem, KernelRun, ScoreFeatures
+from transformer_engine.pytorch.attention.dot_product_attention.backends.unfused_kernel import UnfusedKernel
 from transformer_engine.pytorch.attention.dot_product_attention.cp.spans import StepMask, make_span, span_kernel
+from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType, MaskSpec
 
 from .packing import make_thd
+from .reference import reference_dense, reference_thd
+from .stand_ins.cudnn import lengths_of, offsets_of, pack_of
 
 H, HG, D = 4, 2, 8
 SCALE = 0.3
 
 
-# ------------------------------------------------------------------ the stand-in library (float64)
+UNFUSED_SCALE = 0.35
+TOL = dict(rtol=1e-10, atol=1e-10)
 
 
-def _allowed(n, m, causal, left, right, offset):
-    """[n, m]: key j visible to query i, the diagonal at i + offset."""
-    i, j = torch.arange(n).view(-1, 1), torch.arange(m).view(1, -1)
-    right = 0 if causal else right
-    ok = torch.ones(n, m, dtype=torch.bool)
-    if right >= 0:
-        ok &= j <= i + offset + right
-    if left >= 0:
-        ok &= j >= i + offset - left
-    return ok
+# ------------------------------------------------------------------ the unfused kernel against the reference
 
 
-def _scores(q, k, allowed):
-    kk = k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    s = torch.einsum("nhd,mhd->hnm", q.double(), kk) * SCALE
-    return s.masked_fill(~allowed, -math.inf)
+def _rand(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def _probs(s, lse):
-    lse = lse.view(*lse.shape, 1)
-    return torch.where(torch.isinf(lse), 0.0, torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)))
+def _grads(ref_fn, tensors, dout):
+    """out and dq, dk, dv of the reference by autograd."""
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    out = ref_fn(*leaves)
+    if not out.requires_grad:  # no sequence has a query row: nothing depends on the inputs
+        return [out] + [torch.zeros_like(t) for t in leaves]
+    out.backward(dout)
+    return [out.detach()] + [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
 
 
-def _seq_fwd(q, k, v, allowed):
-    """out [n, H, Dv], lse [H, n]."""
-    s = _scores(q, k, allowed)
-    lse = torch.logsumexp(s, dim=-1)
-    vv = v.double().repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    return torch.einsum("hnm,mhd->nhd", _probs(s, lse), vv), lse
+@st.composite
+def span_calls(draw):
+    """Per sequence a slot, a q span (shifted inside it) and a kv span (from the slot start)."""
+    b = draw(st.integers(1, 3))
+    slot_q = [draw(st.integers(1, 7)) for _ in range(b)]
+    slot_k = [draw(st.integers(1, 7)) for _ in range(b)]
+    len_q = [draw(st.integers(0, s)) for s in slot_q]
+    shift = [draw(st.integers(0, s - n)) for s, n in zip(slot_q, len_q)]
+    len_k = [draw(st.integers(0, s)) for s in slot_k]
+    mask = draw(st.sampled_from([StepMask(False), StepMask(True), StepMask(True, 0), StepMask(True, 2)]))
+    return slot_q, slot_k, shift, len_q, len_k, mask
 
 
-def _seq_bwd(dout, q, k, v, out, lse, allowed):
-    """dq, dk, dv from the given (final) out and lse, FlashAttention's backward written out."""
-    g = q.shape[1] // k.shape[1]
-    p = _probs(_scores(q, k, allowed), lse.double())
-    do, vv = dout.double(), v.double().repeat_interleave(g, dim=1)
-    ds = p * (torch.einsum("nhd,mhd->hnm", do, vv) - (do * out.double()).sum(-1).t().unsqueeze(-1))
-    kk = k.double().repeat_interleave(g, dim=1)
-    dq = torch.einsum("hnm,mhd->nhd", ds, kk) * SCALE
-    dk = (torch.einsum("hnm,nhd->mhd", ds, q.double()) * SCALE).unflatten(1, (k.shape[1], g)).sum(2)
-    dv = torch.einsum("hnm,nhd->mhd", p, do).unflatten(1, (v.shape[1], g)).sum(2)
-    return dq, dk, dv
+def _cum(xs):
+    out = [0]
+    for x in xs:
+        out.append(out[-1] + x)
+    return out
 
 
-def _seqs(off_q, off_kv, len_q, len_kv, b, sq, skv):
-    """(start q, start kv, n, m) per sequence; dense problems have offsets None."""
-    for i in range(b):
-        oq = int(off_q[i]) if off_q is not None else i * sq
-        ok = int(off_kv[i]) if off_kv is not None else i * skv
-        n = int(len_q[i]) if len_q is not None else (int(off_q[i + 1]) - oq if off_q is not None else sq)
-        m = int(len_kv[i]) if len_kv is not None else (int(off_kv[i + 1]) - ok if off_kv is not None else skv)
-        yield oq, ok, n, m
+@settings(max_examples=25, deadline=None)
+@given(span_calls())
+def test_span_calls_match_the_reference(call):
+    """The span interface over the unfused kernel (what the ring and all-gather call)."""
+    slot_q, slot_k, shift, len_q, len_k, mask = call
+    sq, sk = _cum(slot_q), _cum(slot_k)
+    it = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    qs = make_span(it(sq), it(shift), it(len_q), sq[-1], max(len_q + [1]))
+    ks = make_span(it(sk), torch.zeros(len(slot_k), dtype=torch.int32), it(len_k), sk[-1], max(len_k + [1]))
+    q, k, v, dout = _rand(sq[-1], H, D, seed=1), _rand(sk[-1], HG, D, seed=2), _rand(sk[-1], HG, D, seed=3), _rand(sq[-1], H, D, seed=4)
+    kernel = span_kernel(UnfusedDotProductAttention, "p2p")
+    out, lse = kernel.forward(q, k, v, qs, ks, mask, UNFUSED_SCALE)
+    got = kernel.backward(dout, q, k, v, out, lse, qs, ks, mask, UNFUSED_SCALE)
+    masks = ["padding_causal_bottom_right" if mask.causal else "padding"] * len(slot_q)
+    windows = [(mask.window_left, 0) if mask.causal else None] * len(slot_q)
+    starts_q = [a + s for a, s in zip(sq, shift)]
+    ref = lambda q_, k_, v_: reference_thd(q_, k_, v_, _cum(len_q), _cum(len_k), starts_q, sk, masks, windows, UNFUSED_SCALE)  # noqa: E731
+    want = _grads(ref, (q, k, v), dout)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *got), want):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{name}: {m}")
+    assert lse.dtype == torch.float64 and torch.all(torch.isneginf(lse[:, ~qs.covered]))
 
 
-def _rows(t):
-    return t.flatten(0, 1) if t.dim() == 4 else t
+def _varlen_problem():
+    """Three sequences with gaps, q and kv laid out apart; two policies as two runs, each with
+    the other's sequences at length 0 (top-left causal; full with a window)."""
+    off_q, off_k = torch.tensor([0, 6, 9, 16], dtype=torch.int32), torch.tensor([0, 4, 12, 15], dtype=torch.int32)
+    len_q, len_k = torch.tensor([5, 3, 6], dtype=torch.int32), torch.tensor([4, 7, 2], dtype=torch.int32)
+    causal, windowed = torch.tensor([1, 0, 1], dtype=torch.int32), torch.tensor([0, 1, 0], dtype=torch.int32)
+    runs = (KernelRun(0, MaskSpec(AttnMaskType.PADDING_CAUSAL, (-1, 0)), off_q, off_k, len_q * causal, len_k * causal, 3),
+            KernelRun(1, MaskSpec(AttnMaskType.PADDING, (2, 1)), off_q, off_k, len_q * windowed, len_k * windowed, 3))
+    problem = KernelProblem(runs, 6, 7, UNFUSED_SCALE, True)
+    masks, windows = ["padding_causal", "padding", "padding_causal"], [None, (2, 1), None]
+    ref = lambda q_, k_, v_: reference_thd(q_, k_, v_, [0, 5, 8, 14], [0, 4, 11, 13], off_q.tolist(), off_k.tolist(),  # noqa: E731
+                                           masks, windows, UNFUSED_SCALE)
+    return problem, (18, 16), ref
 
 
-class StandIn:
-    """FA4's and cuDNN's ops with their registered signatures; ``calls`` records each call."""
+def _dense_problem():
+    """[B=2, SQ=5, SKV=7] with per-entry valid lengths, bottom-right causal with a left window."""
+    len_q, len_k = torch.tensor([5, 3], dtype=torch.int32), torch.tensor([6, 7], dtype=torch.int32)
+    run = KernelRun(0, MaskSpec(AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT, (3, 0)), None, None, len_q, len_k, 2)
+    problem = KernelProblem((run,), 5, 7, UNFUSED_SCALE, False)
+    ref = lambda q_, k_, v_: reference_dense(q_, k_, v_, "padding_causal_bottom_right", (3, 0), UNFUSED_SCALE, len_q, len_k)  # noqa: E731
+    return problem, ((2, 5), (2, 7)), ref
 
-    def __init__(self):
-        self.calls = []
-        self._buffers = []  # buffers already handed to a call (held, so their ids stay unique)
 
-    def _fresh(self, *buffers):
-        """NaN into each buffer on its first call only: like FA4, a later policy's call leaves
-        the rows an earlier one wrote untouched, and rows no call writes stay garbage (NaN)."""
-        for t in buffers:
-            if t is not None and not any(t is seen for seen in self._buffers):
-                self._buffers.append(t)
-                t.fill_(math.nan)
+@pytest.mark.parametrize("make", [_varlen_problem, _dense_problem], ids=["varlen-two-runs", "dense-padded"])
+def test_problems_match_the_reference(make):
+    problem, (rows_q, rows_k), ref = make()
+    rows_q, rows_k = (r if isinstance(r, tuple) else (r,) for r in (rows_q, rows_k))
+    q, k, v, dout = _rand(*rows_q, H, D, seed=5), _rand(*rows_k, HG, D, seed=6), _rand(*rows_k, HG, D, seed=7), _rand(*rows_q, H, D, seed=8)
+    out, stats = UnfusedKernel.forward(q, k, v, problem, ScoreFeatures(), True)
+    dq, dk, dv, dbias, dsink = UnfusedKernel.backward(dout, q, k, v, out, stats, problem, ScoreFeatures(), False)
+    want = _grads(ref, (q, k, v), dout)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), want):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{name}: {m}")
+    assert dbias is None and dsink is None and stats[0].shape == (H, out.shape[0] * (out.shape[1] if out.dim() == 4 else 1))
 
-    def fa4_fwd(self, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, max_q, max_kv, scale, causal, left, right,
-                learnable_sink=None, num_splits=None):
-        assert q.dim() == 3 and lse is not None and learnable_sink is None and num_splits is None
-        self.calls.append(("fa4_fwd", dict(cu_q=cu_q, cu_kv=cu_kv, used_q=used_q, used_kv=used_kv, max_q=max_q,
-                                           max_kv=max_kv, scale=scale, mask=(causal, left, right))))
-        self._fresh(out, lse)
-        for oq, ok, n, m in _seqs(cu_q, cu_kv, used_q, used_kv, cu_q.numel() - 1, 0, 0):
-            assert n <= max_q and m <= max_kv
-            if n:
-                o, l_ = _seq_fwd(q[oq:oq + n], k[ok:ok + m], v[ok:ok + m], _allowed(n, m, causal, left, right, m - n))
-                out[oq:oq + n], lse[:, oq:oq + n] = o.to(out.dtype), l_.float()
 
-    def fa4_bwd(self, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_kv, used_q, used_kv, max_q, max_kv, scale, causal,
-                left, right, deterministic):
-        self.calls.append(("fa4_bwd", dict(cu_q=cu_q, used_q=used_q, lse=lse, mask=(causal, left, right))))
-        self._fresh(dq, dk, dv)
-        for oq, ok, n, m in _seqs(cu_q, cu_kv, used_q, used_kv, cu_q.numel() - 1, 0, 0):
-            # No query rows: the key blocks' gradients are 0 (assumed, as kernels looping over
-            # key blocks write them; a context-parallel step can give a sequence no query rows).
-            dk[ok:ok + m], dv[ok:ok + m] = 0, 0
-            if n:
-                grads = _seq_bwd(dout[oq:oq + n], q[oq:oq + n], k[ok:ok + m], v[ok:ok + m], out[oq:oq + n],
-                                 lse[:, oq:oq + n], _allowed(n, m, causal, left, right, m - n))
-                dq[oq:oq + n], dk[ok:ok + m], dv[ok:ok + m] = (g.to(dq.dtype) for g in grads)
+def test_float32_inputs_keep_their_dtype_and_a_float32_lse():
+    problem, (rows_q, rows_k), ref = _varlen_problem()
+    q, k, v = (_rand(n, h, D, seed=s).float() for n, h, s in ((rows_q, H, 1), (rows_k, HG, 2), (rows_k, HG, 3)))
+    out, stats = UnfusedKernel.forward(q, k, v, problem, ScoreFeatures(), True)
+    assert out.dtype == torch.float32 and stats[0].dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref(q.double(), k.double(), v.double()), rtol=1e-5, atol=1e-5)
 
-    def cudnn_fwd(self, q, k, v, out, off_q, off_kv, len_q, len_kv, b, max_q, max_kv, scale, causal, left, right,
-                  bottom_right, bias=None, rng=None, alibi=False, dropout_p=0.0, sink=None):
-        stats = torch.full((b, q.shape[-2], max(max_q, 1), 1), math.nan)
-        self.calls.append(("cudnn_fwd", dict(off_q=off_q, off_kv=off_kv, len_q=len_q, len_kv=len_kv, b=b, max_q=max_q,
-                                             max_kv=max_kv, mask=(causal, left, right, bottom_right), stats=stats)))
-        qr, kr, vr, orows = _rows(q), _rows(k), _rows(v), _rows(out)
-        for i, (oq, ok, n, m) in enumerate(_seqs(off_q, off_kv, len_q, len_kv, b, max_q, max_kv)):
-            if n and m:  # a sequence with an empty side: nothing written
-                allowed = _allowed(n, m, causal, left, right, m - n if bottom_right else 0)
-                o, l_ = _seq_fwd(qr[oq:oq + n], kr[ok:ok + m], vr[ok:ok + m], allowed)
-                seen = allowed.any(dim=1)  # cuDNN leaves a row that sees no key unwritten
-                orows[oq:oq + n][seen], stats[i, :, :n, 0] = o[seen].to(out.dtype), l_.float()
-        return stats
 
-    def cudnn_bwd(self, dout, q, k, v, out, stats, dq, dk, dv, off_q, off_kv, len_q, len_kv, b, max_q, max_kv, scale,
-                  causal, left, right, bottom_right, deterministic, bias=None, rng=None, alibi=False, dropout_p=0.0,
-                  sink=None, need_dbias=False, need_dsink=False):
-        self.calls.append(("cudnn_bwd", dict(off_q=off_q, len_q=len_q, len_kv=len_kv, b=b, stats=stats)))
-        grads = [dq, dk, dv]
-        rows = [_rows(t) for t in (dout, q, k, v, out, *grads)]
-        for i, (oq, ok, n, m) in enumerate(_seqs(off_q, off_kv, len_q, len_kv, b, max_q, max_kv)):
-            if n and m:
-                d, qq, kk, vv, oo, gq, gk, gv = rows
-                allowed = _allowed(n, m, causal, left, right, m - n if bottom_right else 0)
-                got = _seq_bwd(d[oq:oq + n], qq[oq:oq + n], kk[ok:ok + m], vv[ok:ok + m], oo[oq:oq + n],
-                               stats[i, :, :n, 0], allowed)
-                gq[oq:oq + n], gk[ok:ok + m], gv[ok:ok + m] = (g.to(q.dtype) for g in got)
-        return q.new_empty(0), q.new_empty(0)
+@pytest.mark.parametrize("features,named", [(ScoreFeatures(dropout_p=0.1), "dropout"), (ScoreFeatures(alibi=True), "ALiBi"),
+                                            (ScoreFeatures(sink=torch.zeros(H)), "a sink")])
+def test_score_features_are_refused_by_name(features, named):
+    problem, (rows_q, rows_k), _ = _varlen_problem()
+    q, k, v = _rand(rows_q, H, D, seed=1), _rand(rows_k, HG, D, seed=2), _rand(rows_k, HG, D, seed=3)
+    with pytest.raises(NotImplementedError, match=f"the unfused kernel interface runs plain softmax attention; got {named} "
+                                                  r"\(the module's unfused path runs them\)"):
+        UnfusedKernel.forward(q, k, v, problem, features, True)
 
-    def of(self, name):
-        return [kw for n, kw in self.calls if n == name]
+
+# ------------------------------------------------------------------ FA4 and cuDNN, on their stand-ins
 
 
 @pytest.fixture
-def lib(monkeypatch):
-    from transformer_engine.pytorch.attention.dot_product_attention.backends import gap_rows
-
-    stand_in = StandIn()
-    stand_in.zero_gap_rows = gap_rows.zero_gap_rows
-    stand_in.zero_gap_rows_qkv = gap_rows.zero_gap_rows_qkv
-    monkeypatch.setattr(kernel_ops, "ops", stand_in)
-    # An empty buffer's unwritten rows are garbage, never silently 0: in deterministic mode torch
-    # fills every uninitialized float tensor (empty, new_empty, empty_like) with NaN.
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    assert torch.utils.deterministic.fill_uninitialized_memory
-    yield stand_in
-    torch.use_deterministic_algorithms(was)
+def libs(fa4_lib, cudnn_lib):
+    return {"fa4": fa4_lib, "cudnn": cudnn_lib}
 
 
 # ------------------------------------------------------------------ context parallelism: one-run problems
@@ -207,7 +186,7 @@ MASKS = [StepMask(False), StepMask(True), StepMask(True, 2)]
 
 @pytest.mark.parametrize("mask", MASKS, ids=["full", "causal", "causal-window2"])
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_span_adapter_matches_the_unfused_span_kernel(lib, backend, mask):
+def test_span_adapter_matches_the_unfused_span_kernel(libs, backend, mask):
     q, k, v, dout, qs, ks = _spans()
     kernel = KERNELS[BACKENDS[backend]]
     out, lse = kernel.forward(q, k, v, qs, ks, mask, SCALE)
@@ -225,34 +204,37 @@ def test_span_adapter_matches_the_unfused_span_kernel(lib, backend, mask):
 
 
 @pytest.mark.parametrize("mask,fa,cudnn", [
-    (StepMask(False), (False, -1, -1), (False, -1, -1, False)),
-    (StepMask(True), (True, -1, -1), (True, -1, 0, True)),
-    (StepMask(True, 2), (False, 2, 0), (True, 2, 0, True)),
+    (StepMask(False), (False, None, None), (False, (-1, -1))),
+    (StepMask(True), (True, None, None), (True, (-1, 0))),
+    (StepMask(True, 2), (False, 2, 0), (True, (2, 0))),
 ])
-def test_span_call_arguments(lib, mask, fa, cudnn):
+def test_span_call_arguments(libs, mask, fa, cudnn):
     """A span call is one run: span starts as offsets, span lengths as valid lengths, the
     spans' bounds as max_seqlen, the mask bottom-right (FA's convention, cuDNN's alignment)."""
     q, k, v, dout, qs, ks = _spans()
     out, lse = KERNELS["FlashAttention v4"].forward(q, k, v, qs, ks, mask, SCALE)
     KERNELS["FlashAttention v4"].backward(dout, q, k, v, out, lse, qs, ks, mask, SCALE)
-    (fwd,), (bwd,) = lib.of("fa4_fwd"), lib.of("fa4_bwd")
-    assert fwd["cu_q"] is qs.offsets and fwd["cu_kv"] is ks.offsets
-    assert fwd["used_q"] is qs.lengths and fwd["used_kv"] is ks.lengths
-    assert (fwd["max_q"], fwd["max_kv"], fwd["scale"], fwd["mask"]) == (6, 9, SCALE, fa)
-    assert bwd["cu_q"] is qs.offsets and bwd["mask"] == fa and bwd["lse"].is_contiguous()
+    (fwd,), (bwd,) = libs["fa4"].of("fwd"), libs["fa4"].of("bwd")
+    assert fwd["cu_seqlens_q"] is qs.offsets and fwd["cu_seqlens_k"] is ks.offsets
+    assert fwd["seqused_q"] is qs.lengths and fwd["seqused_k"] is ks.lengths
+    assert (fwd["max_seqlen_q"], fwd["max_seqlen_k"], fwd["softmax_scale"]) == (6, 9, SCALE)
+    for kw in (fwd, bwd):
+        assert (kw["causal"], kw["window_size_left"], kw["window_size_right"]) == fa
+    assert bwd["cu_seqlens_q"] is qs.offsets and bwd["lse"].is_contiguous()
     out, lse = KERNELS["FusedAttention"].forward(q, k, v, qs, ks, mask, SCALE)
     KERNELS["FusedAttention"].backward(dout, q, k, v, out, lse, qs, ks, mask, SCALE)
-    (fwd,), (bwd,) = lib.of("cudnn_fwd"), lib.of("cudnn_bwd")
-    # cuDNN's offsets arrive as int64 (its ragged offsets are int64; see the module path below).
-    assert torch.equal(fwd["off_q"], qs.offsets.long()) and torch.equal(fwd["off_kv"], ks.offsets.long())
-    assert fwd["off_q"].dtype == torch.int64
-    assert fwd["len_q"] is qs.lengths and fwd["len_kv"] is ks.lengths
-    assert (fwd["b"], fwd["max_q"], fwd["max_kv"], fwd["mask"]) == (3, 6, 9, cudnn)
+    ((fwd, fwd_pack),), ((bwd, bwd_pack),) = libs["cudnn"].of("fwd"), libs["cudnn"].of("bwd")
+    assert offsets_of(fwd_pack, "q").tolist() == qs.offsets.tolist() and offsets_of(fwd_pack, "k").tolist() == ks.offsets.tolist()
+    assert lengths_of(fwd_pack, "q").tolist() == qs.lengths.tolist() and lengths_of(fwd_pack, "kv").tolist() == ks.lengths.tolist()
+    assert all(pack_of(pack, "r" + side).dtype == torch.int64 for pack in (fwd_pack, bwd_pack) for side in "qkv"), \
+        "cuDNN's ragged offsets are int64"
+    assert (fwd.b, fwd.sq, fwd.skv, fwd.bottom_right, fwd.window) == (3, 6, 9, *cudnn)
     # The stats handed back: [B, H, SQ, 1] by position, the forward's at every valid position.
-    assert bwd["stats"].shape == (3, H, 6, 1) and bwd["b"] == 3
+    stats_fwd, stats_bwd = pack_of(fwd_pack, "stats"), pack_of(bwd_pack, "stats")
+    assert stats_bwd.shape == (3, H, 6, 1) and bwd.b == 3
     for i, n in enumerate([5, 0, 4]):
         # exact: the stats are handed over, not recomputed
-        torch.testing.assert_close(bwd["stats"][i, :, :n], fwd["stats"][i, :, :n], rtol=0, atol=0)
+        torch.testing.assert_close(stats_bwd[i, :, :n], stats_fwd[i, :, :n], rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------ the module path
@@ -260,11 +242,13 @@ def test_span_call_arguments(lib, mask, fa, cudnn):
 
 def _thd(gaps):
     p = make_thd([5, 3, 6], gaps_q=[2, 0, 1] if gaps else None, h=H, hg=HG, d=D, tail=2)
+    if not gaps:
+        p.fill_outside(7.0)  # FA4 reads the tail in whole tiles; without declared gaps it must be finite
     return p, p.kwargs(gaps, 6, 6, shared=True)
 
 
 def _module_parity(backend, inputs, kwargs, **module_kwargs):
-    """Output and gradients of ``backend`` (stand-in ops) against the unfused backend."""
+    """Output and gradients of ``backend`` (a stand-in library) against the unfused backend."""
     dpa = DotProductAttention(H, D, num_gqa_groups=HG, softmax_scale=SCALE, **module_kwargs)
     ref_in = [t.detach().clone().requires_grad_() for t in inputs]
     with backend_scope(force="unfused"):
@@ -282,26 +266,32 @@ def _module_parity(backend, inputs, kwargs, **module_kwargs):
 
 @pytest.mark.parametrize("gaps", [False, True])
 @pytest.mark.parametrize("policies", [False, True])
-def test_module_thd_cudnn_runs(lib, gaps, policies):
+def test_module_thd_cudnn_runs(cudnn_lib, monkeypatch, gaps, policies):
     """cuDNN always takes valid lengths (also without gaps: the plan makes them once for the
     forward and backward); several policies are runs over the whole batch into one buffer."""
+    offsets = {}  # the ops' offsets_q argument, per op: int64 (cuDNN's ragged offsets), made once per forward
+    for name, at in (("cudnn_fwd", 4), ("cudnn_bwd", 9)):
+        real = kernel_ops._EAGER[name]
+        monkeypatch.setitem(kernel_ops._EAGER, name, lambda *a, real=real, name=name, at=at: (
+            offsets.setdefault(name, []).append(a[at]), real(*a))[1])
     p, kwargs = _thd(gaps)
     if policies:
         kwargs["thd_sequence_is_causal"] = torch.tensor([True, False, True])
     out, grads = _module_parity("FusedAttention", [p.q, p.k, p.v], kwargs, qkv_format="thd", attn_mask_type="padding_causal")
     assert torch.all(out[~p.valid_q] == 0) and all(torch.all(t[~p.valid_q] == 0) for t in grads)
-    fwds, bwds = lib.of("cudnn_fwd"), lib.of("cudnn_bwd")
+    fwds, bwds = cudnn_lib.of("fwd"), cudnn_lib.of("bwd")
     assert len(fwds) == len(bwds) == (2 if policies else 1)
-    offsets = p.off_q if gaps else p.cu_q
-    for fwd, bwd in zip(fwds, bwds):
-        assert torch.equal(fwd["off_q"], offsets.long()) and fwd["b"] == 3 and (fwd["max_q"], fwd["max_kv"]) == (6, 6)
-        # Made once per forward, reused by the backward: lengths and the int64 offsets.
-        assert bwd["len_q"] is fwd["len_q"] and bwd["len_kv"] is fwd["len_kv"] and bwd["off_q"] is fwd["off_q"]
+    assert len(offsets["cudnn_fwd"]) == len(offsets["cudnn_bwd"]) == len(fwds)
+    assert all(f.dtype == torch.int64 and b is f for f, b in zip(offsets["cudnn_fwd"], offsets["cudnn_bwd"]))
+    for (fwd, fwd_pack), (_, bwd_pack) in zip(fwds, bwds):
+        assert offsets_of(fwd_pack, "q").tolist() == (p.off_q if gaps else p.cu_q).tolist() and (fwd.b, fwd.sq, fwd.skv) == (3, 6, 6)
+        for side in ("q", "kv"):  # made once per forward: the backward's lengths are the same tensor
+            assert lengths_of(bwd_pack, side).data_ptr() == lengths_of(fwd_pack, side).data_ptr()
     lengths = {True: [5, 3, 6]} if not policies else {True: [5, 0, 6], False: [0, 3, 0]}  # by causal
-    assert {f["mask"][0]: f["len_q"].tolist() for f in fwds} == lengths
+    assert {g.window == (-1, 0): lengths_of(pack, "q").tolist() for g, pack in fwds} == lengths
 
 
-def test_module_thd_cudnn_cross_attention_with_empty_sides(lib):
+def test_module_thd_cudnn_cross_attention_with_empty_sides(cudnn_lib):
     """Cross attention where one sequence has keys but no queries and another queries but no
     keys: the first's dK/dV rows and the second's output and dQ rows are 0. The stand-in writes
     nothing for a sequence with an empty side (stricter than cuDNN, which leaves only the output
@@ -316,24 +306,24 @@ def test_module_thd_cudnn_cross_attention_with_empty_sides(lib):
 
 
 @pytest.mark.parametrize("gaps", [False, True])
-def test_module_thd_fa4_runs(lib, gaps):
+def test_module_thd_fa4_runs(fa4_lib, gaps):
     """FA4 takes valid lengths only where the offsets do not bound them (gaps)."""
     p, kwargs = _thd(gaps)
     out, grads = _module_parity("FlashAttention v4", [p.q, p.k, p.v], kwargs, qkv_format="thd",
                                 attn_mask_type="padding_causal")
     assert torch.all(out[~p.valid_q] == 0) and all(torch.all(t[~p.valid_q] == 0) for t in grads)
-    (fwd,), (bwd,) = lib.of("fa4_fwd"), lib.of("fa4_bwd")
-    assert torch.equal(fwd["cu_q"], p.off_q if gaps else p.cu_q) and bwd["cu_q"] is fwd["cu_q"]
-    assert (fwd["used_q"] is None) is (not gaps)
+    (fwd,), (bwd,) = fa4_lib.of("fwd"), fa4_lib.of("bwd")
+    assert torch.equal(fwd["cu_seqlens_q"], p.off_q if gaps else p.cu_q) and bwd["cu_seqlens_q"] is fwd["cu_seqlens_q"]
+    assert (fwd["seqused_q"] is None) is (not gaps)
     if gaps:
-        assert fwd["used_q"].tolist() == [5, 3, 6] and bwd["used_q"] is fwd["used_q"]
-    assert (fwd["max_q"], fwd["max_kv"], fwd["mask"]) == (6, 6, (True, -1, -1))
+        assert fwd["seqused_q"].tolist() == [5, 3, 6] and bwd["seqused_q"] is fwd["seqused_q"]
+    assert (fwd["max_seqlen_q"], fwd["max_seqlen_k"], fwd["causal"], fwd["window_size_left"]) == (6, 6, True, None)
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("compact", ["0", "1"])
 @pytest.mark.parametrize("gaps", [False, True])
-def test_module_thd_several_policies(lib, backend, compact, gaps, monkeypatch):
+def test_module_thd_several_policies(libs, backend, compact, gaps, monkeypatch):
     """Two policies (dict spelling: sizes known, so NVTE_THD_POLICY_COMPACT=1 compacts them):
     the runs share buffers on both backends, match the unfused backend, rows no sequence owns
     are 0, and each run covers only its policy's sequences."""
@@ -342,20 +332,24 @@ def test_module_thd_several_policies(lib, backend, compact, gaps, monkeypatch):
     kwargs["attn_mask_type_per_seq"] = {"padding_causal": torch.tensor([0, 2]), "padding": torch.tensor([1])}
     out, grads = _module_parity(BACKENDS[backend], [p.q, p.k, p.v], kwargs, qkv_format="thd", attn_mask_type="padding")
     assert torch.all(out[~p.valid_q] == 0) and all(torch.all(t[~p.valid_q] == 0) for t in grads)
-    fwds = lib.of(f"{backend}_fwd")
-    used = [f["used_q" if backend == "fa4" else "len_q"].tolist() for f in fwds]
+    if backend == "fa4":
+        used = [kw["seqused_q"].tolist() for kw in libs["fa4"].of("fwd")]
+    else:
+        used = [lengths_of(pack, "q").tolist() for _, pack in libs["cudnn"].of("fwd")]
     assert sorted(used) == ([[3], [5, 6]] if compact == "1" else [[0, 3, 0], [5, 0, 6]])
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("compact", ["0", "1"])
 @pytest.mark.parametrize("gaps", [False, True])
-def test_module_thd_several_policies_cross_attention(lib, backend, compact, gaps, monkeypatch):
+def test_module_thd_several_policies_cross_attention(libs, backend, compact, gaps, monkeypatch):
     """Several policies with keys laid out apart from the queries (their own lengths, gaps and
     offsets): each run must take the keys' offsets and lengths, not the queries'."""
     monkeypatch.setenv("NVTE_THD_POLICY_COMPACT", compact)
     p = make_thd([5, 3, 6], [4, 7, 2], gaps_q=[2, 0, 1] if gaps else None, gaps_kv=[1, 3, 0] if gaps else None,
                  h=H, hg=HG, d=D, tail=2)
+    if not gaps:
+        p.fill_outside(7.0)
     kwargs = p.kwargs(gaps, 6, 7)
     kwargs["attn_mask_type_per_seq"] = {"padding_causal_bottom_right": torch.tensor([0, 2]), "padding": torch.tensor([1])}
     out, grads = _module_parity(BACKENDS[backend], [p.q, p.k, p.v], kwargs, qkv_format="thd", attn_mask_type="padding")
@@ -363,21 +357,22 @@ def test_module_thd_several_policies_cross_attention(lib, backend, compact, gaps
     assert all(torch.all(t[~p.valid_kv] == 0) for t in grads[1:])
 
 
-def test_module_dense_padding_lengths_made_once(lib):
+def test_module_dense_padding_lengths_made_once(cudnn_lib):
     """A dense cuDNN call with a padding mask: lengths from the mask, made once per forward."""
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 6, h, D, generator=g, dtype=torch.float64, requires_grad=True) for h in (H, HG, HG))
     mask = torch.zeros(2, 1, 1, 6, dtype=torch.bool)
     mask[0, ..., 4:] = True  # TE: True = masked out
     _module_parity("FusedAttention", [q, k, v], dict(attention_mask=mask), qkv_format="bshd", attn_mask_type="padding")
-    (fwd,), (bwd,) = lib.of("cudnn_fwd"), lib.of("cudnn_bwd")
-    assert fwd["off_q"] is None and fwd["b"] == 2 and (fwd["max_q"], fwd["max_kv"]) == (6, 6)
-    assert fwd["len_q"].tolist() == [4, 6] and fwd["len_q"].dtype == torch.int32
-    assert bwd["len_q"] is fwd["len_q"] and bwd["len_kv"] is fwd["len_kv"]
+    ((fwd, fwd_pack),), ((_, bwd_pack),) = cudnn_lib.of("fwd"), cudnn_lib.of("bwd")
+    assert not fwd.varlen and fwd.padded and (fwd.b, fwd.sq, fwd.skv) == (2, 6, 6)
+    assert lengths_of(fwd_pack, "q").tolist() == [4, 6] and lengths_of(fwd_pack, "q").dtype == torch.int32
+    for side in ("q", "kv"):
+        assert lengths_of(bwd_pack, side).data_ptr() == lengths_of(fwd_pack, side).data_ptr()
 
 
 @pytest.mark.parametrize("sq,skv,mask", [(6, 3, "causal_bottom_right"), (3, 6, "causal"), (5, 5, "causal"), (4, 6, "no_mask")])
-def test_module_dense_rows_that_see_no_key(lib, sq, skv, mask):
+def test_module_dense_rows_that_see_no_key(cudnn_lib, sq, skv, mask):
     """Dense cuDNN calls without a padding mask: with a band and sq != skv some query rows see
     no key (bottom-right, sq > skv) or some keys no query (top-left, sq < skv); those output rows
     and dK/dV rows are 0, though cuDNN leaves such output rows unwritten (the stand-in too)."""

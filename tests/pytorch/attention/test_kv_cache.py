@@ -35,7 +35,6 @@ from transformer_engine.pytorch.attention.inference import (
     inference_attn_mask_type,
 )
 
-from .gpu_helpers import sync_errors
 from .kv_schedules import LAYERS, Config, Packing, Picker, Simulation, check_output, configs, no_host_reads, pack, poison
 from .reference import reference_thd
 
@@ -419,7 +418,7 @@ def test_managers_alone_keep_te_constructor_signatures():
     assert manager.get_sequence_count() == 1 and manager.get_sequence_lengths() == [3] and manager.has_free_page()
 
 
-# --- no host reads on the step path; CUDA graphs (GPU) -------------------------------------
+# --- no host reads on the step path (the GPU's sync-free steps and CUDA graphs: test_gpu_kv_cache.py) -------------------------------------
 
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
 @pytest.mark.parametrize("paged", [False, True])
@@ -438,77 +437,3 @@ def test_step_and_reference_read_no_tensor_values_on_the_host(fmt, paged):
     with pytest.raises(AssertionError, match="host read of a tensor: Tensor.item"):
         with no_host_reads():
             torch.zeros(1).item()
-
-
-def _gpu_config(fmt: str, paged: bool) -> Config:
-    return Config(fmt=fmt, paged=paged, page_size=4, max_seqlen=32, max_batch=4, total_pages=32 if paged else None,
-                  hkv=2, group=2, d=16, dv=8, max_ctx=6, mask="padding_causal", window=None, device="cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
-@pytest.mark.parametrize("paged", [False, True])
-def test_gpu_step_and_reference_are_sync_free(fmt, paged):
-    cfg = _gpu_config(fmt, paged)
-    params, sim, pick = cfg.params(), Simulation(cfg, seed=2), Picker(rng=random.Random(2))
-    for layer in LAYERS:
-        params.allocate_memory(layer)
-    for _ in range(6):
-        step_dict = sim.draw_step(pick)
-        params.pre_step(step_dict)
-        sim.apply(step_dict)
-        torch.cuda.synchronize()
-        run_step(params, sim, step_dict, Packing(extra_b=0, extra_s=1, tail=1), guard=sync_errors)
-
-
-def _fixed_packing(cfg: Config, step_dict) -> Packing:
-    """Padding up to the captured shapes: max_batch rows of max_ctx positions, or as many thd rows."""
-    lens = list(step_dict.values())
-    return Packing(extra_b=cfg.max_batch - len(lens), extra_s=cfg.max_ctx - max(lens),
-                   tail=cfg.max_batch * cfg.max_ctx - sum(lens))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
-@pytest.mark.parametrize("paged", [False, True])
-def test_gpu_steps_replay_in_a_cuda_graph_as_sequences_join_and_finish(fmt, paged):
-    """Both layers' append and attention captured once, then replayed for 64 steps of a random
-    schedule (pre_step eager between replays; rows move and pages change under the graph)."""
-    cfg = _gpu_config(fmt, paged)
-    params, sim, pick = cfg.params(), Simulation(cfg, seed=3), Picker(rng=random.Random(3))
-    for layer in LAYERS:
-        params.allocate_memory(layer)
-    static, outs, graph = None, None, None
-    for _ in range(64):
-        step_dict = sim.draw_step(pick)
-        params.pre_step(step_dict)
-        sim.apply(step_dict)
-        packing = _fixed_packing(cfg, step_dict)
-        inputs = {layer: [pack(cfg, step_dict, [sim.history[(layer, s)][w][-n:] for s, n in step_dict.items()], packing)
-                          for w in range(3)] for layer in LAYERS}
-        if graph is None:
-            static = inputs
-            graph, outs = _capture(params, cfg, static)
-        for layer in LAYERS:
-            for dst, src in zip(static[layer], inputs[layer]):
-                dst.copy_(src)
-        graph.replay()
-        torch.cuda.synchronize()
-        for layer in LAYERS:
-            check_output(outs[layer].cpu(), sim, layer, step_dict)
-
-
-def _capture(params: InferenceParams, cfg: Config, static):
-    def body():
-        return {layer: attention_over_cache(q, params.step(layer, k, v, cfg.fmt), attn_mask_type=cfg.mask)
-                for layer, (q, k, v) in static.items()}
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()  # warm-up: the offsets' constants are made here, outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = body()
-    return graph, outs

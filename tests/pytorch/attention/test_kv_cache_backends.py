@@ -4,21 +4,18 @@ selection reads them, and the FA4 and cuDNN translations against stand-in librar
 - Selection: each backend accepts or refuses a KV call as its declaration says (non-paged,
   paged, page-size multiples, forward only, no sinks or dropout), TE's spelling included, and
   the README's KV table is rendered from the declarations.
-- FA4: a stand-in ``flash_attn.cute.interface._flash_attn_fwd`` that takes flash-attn-4
-  4.0.0b36's keywords only and computes in float64 what FA4 documents (page table, seqused,
-  bottom-right causal): the cache reaches it without a copy, with the page table, the cached
+- FA4: the FA4 stand-in (``stand_ins/fa4.py``: flash-attn-4 4.0.0b36's keywords only, page
+  table, seqused, bottom-right causal, in float64): the cache reaches it without a copy, with the page table, the cached
   lengths as ``seqused_k`` and the padded query offsets; results equal the float64 oracle.
-- cuDNN: a stand-in ``cudnn`` module whose graphs record every declaration (dims, strides,
-  ragged offsets, the sdpa arguments) and execute them in float64 by reading the pack's tensors
-  through exactly those declarations: so the pools' strides, the block tables, the lengths and
+- cuDNN: the cuDNN stand-in (``stand_ins/cudnn.py``), whose graphs record every declaration
+  (dims, strides, ragged offsets, the sdpa arguments) and execute them in float64 by reading the
+  pack's tensors through exactly those declarations: so the pools' strides, the block tables, the lengths and
   the ragged offsets must be right for the output to match the oracle (bf16, its rounding).
 """
 
 from __future__ import annotations
 
 import math
-import sys
-import types
 from collections import OrderedDict
 from dataclasses import replace
 
@@ -29,13 +26,10 @@ from transformer_engine.pytorch import DotProductAttention, InferenceParams
 from transformer_engine.pytorch.attention import backend_scope
 from transformer_engine.pytorch.attention.dot_product_attention import AttentionParams, get_attention_backend
 from transformer_engine.pytorch.attention.dot_product_attention.backends import BACKENDS, backend_label, kernel_ops
-from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import graphs
 from transformer_engine.pytorch.attention.dot_product_attention.selection.backend_selection import kv_cache_support_markdown
 from transformer_engine.pytorch.attention.dot_product_attention.selection.explain import TESTED_LIBRARIES, main as explain_main
 
 from .kv_schedules import LAYERS, Config, Packing, Picker, Simulation, check_output, pack, round_history
-from .reference import allowed_matrix, attend_one
-from .test_library_adapters import FA4_FWD_KEYWORDS, _install
 
 ALL = TESTED_LIBRARIES
 KV = AttentionParams(qkv_format="thd", attn_mask_type="padding_causal_bottom_right", head_dim_qk=128, head_dim_v=128,
@@ -137,42 +131,21 @@ def _cfg(fmt: str, paged: bool, page_size: int = 4, mask: str = "padding_causal"
 # ------------------------------------------------------------------ FA4 (flash_attn.cute)
 
 
-def _fa4_kv_fwd(calls):
-    """_flash_attn_fwd taking b36's keywords only, computing a KV call in float64."""
-
-    def _flash_attn_fwd(*args, **kw):
-        assert not args and set(kw) <= FA4_FWD_KEYWORDS, set(kw) - FA4_FWD_KEYWORDS
-        assert kw["cu_seqlens_k"] is None and kw["lse"] is None and kw["return_lse"] is False
-        calls.append(kw)
-        q, k, v, out, table = kw["q"], kw["k"], kw["v"], kw["out"], kw.get("page_table")
-        window = tuple(-1 if w is None else w for w in (kw["window_size_left"], kw["window_size_right"]))
-        for b in range(kw["cu_seqlens_q"].numel() - 1):
-            start, n, m = int(kw["cu_seqlens_q"][b]), int(kw["seqused_q"][b]), int(kw["seqused_k"][b])
-            if n == 0:
-                continue
-            keys, values = (k[b], v[b]) if table is None else (k[table[b].long()].flatten(0, 1), v[table[b].long()].flatten(0, 1))
-            allowed = allowed_matrix(n, m, "padding_causal_bottom_right" if kw["causal"] else "padding", window)
-            out[start : start + n] = attend_one(q[start : start + n], keys[:m], values[:m], allowed, kw["softmax_scale"]).to(out.dtype)
-
-    return _flash_attn_fwd
-
-
-@pytest.fixture
-def fa4_calls(monkeypatch):
-    calls = []
-    _install(monkeypatch, "flash_attn")
-    _install(monkeypatch, "flash_attn.cute")
-    _install(monkeypatch, "flash_attn.cute.interface", _flash_attn_fwd=_fa4_kv_fwd(calls))
-    return calls
+def _last_forward(fa4_lib) -> dict:
+    """The keywords of the last forward the FA4 stand-in (``stand_ins/fa4.py``) ran; a KV call
+    hands it no key offsets and asks for no LSE."""
+    kw = [kw for kind, kw in fa4_lib.calls if kind == "fwd"][-1]
+    assert kw["cu_seqlens_k"] is None and kw["lse"] is None and kw["return_lse"] is False
+    return kw
 
 
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("mask,window", [("padding_causal", None), ("padding", (2, 1)), ("padding_causal", (2, 0))])
-def test_fa4_gets_the_cache_as_stored(fa4_calls, fmt, paged, mask, window):
+def test_fa4_gets_the_cache_as_stored(fa4_lib, fmt, paged, mask, window):
     cfg = _cfg(fmt, paged, mask=mask, window=window)
     params = _schedule(cfg, {}, "fa4", torch.float64, 1e-12)
-    kw = fa4_calls[-1]
+    kw = _last_forward(fa4_lib)
     manager = params.cache_manager
     assert kw["k"].data_ptr() == manager.cache[LAYERS[-1]][0].data_ptr(), "the cache itself, not a copy"
     if paged:
@@ -188,7 +161,7 @@ def test_fa4_gets_the_cache_as_stored(fa4_calls, fmt, paged, mask, window):
         (True, None, None) if window is None else ((False, 2, 1) if mask == "padding" else (False, 2, 0)))
 
 
-def test_unowned_rows_are_zeroed_unless_every_row_holds_a_token(fa4_calls, monkeypatch):
+def test_unowned_rows_are_zeroed_unless_every_row_holds_a_token(fa4_lib, monkeypatch):
     """FA4 leaves rows it does not run unwritten: they are zeroed, one launch that a step whose
     rows all hold tokens (a full decode batch, eager) skips."""
     zeroed = []
@@ -216,133 +189,10 @@ def test_unowned_rows_are_zeroed_unless_every_row_holds_a_token(fa4_calls, monke
 # ------------------------------------------------------------------ cuDNN (cudnn-frontend's graph API)
 
 
-class _Names:
-    """An enum stand-in: any attribute is its own qualified name."""
-
-    def __init__(self, prefix: str) -> None:
-        self._prefix = prefix
-
-    def __getattr__(self, name: str) -> str:
-        return f"{self._prefix}.{name}"
-
-
-class FakeTensor:
-    def __init__(self, name=None, dim=None, stride=None, data_type=None, uid=None):
-        self.name, self.dim, self.stride, self.data_type, self.uid = name, dim, stride, data_type, uid
-        self.ragged, self.output = None, False
-
-    def set_ragged_offset(self, t):
-        self.ragged = t
-        return self
-
-    def set_uid(self, uid):
-        self.uid = uid
-        return self
-
-    def set_output(self, flag):
-        self.output = flag
-        return self
-
-    def set_dim(self, dim):
-        self.dim = list(dim)
-        return self
-
-    def set_stride(self, stride):
-        self.stride = list(stride)
-        return self
-
-    def set_data_type(self, data_type):
-        self.data_type = data_type
-        return self
-
-
-class FakeGraph:
-    """Records one sdpa graph; ``execute`` computes it in float64 from the pack, reading each
-    tensor through its declared dims, strides, ragged offsets and (paged) block table."""
-
-    built: list = []
-
-    def __init__(self, **kwargs):
-        self.kwargs, self.sdpa_args, self.out = kwargs, None, None
-        FakeGraph.built.append(self)
-
-    def tensor(self, name, dim, stride, data_type, uid=None):
-        return FakeTensor(name, list(dim), list(stride), data_type, uid)
-
-    def sdpa(self, name, q, k, v, **kwargs):
-        self.sdpa_args, self.out = dict(q=q, k=k, v=v, **kwargs), FakeTensor()
-        return self.out, (FakeTensor() if kwargs.get("generate_stats") else None)
-
-    def validate(self):
-        pass
-
-    build_operation_graph = check_support = build_plans = validate
-
-    def create_execution_plans(self, modes):
-        pass
-
-    def get_workspace_size(self):
-        return 0
-
-    def execute(self, pack, workspace, handle=None):
-        a = self.sdpa_args
-        len_q, len_kv = (pack[a[n].uid].view(-1).tolist() for n in ("seq_len_q", "seq_len_kv"))
-        for b, (n, m) in enumerate(zip(len_q, len_kv)):
-            if n == 0:
-                continue
-            q = _rows(a["q"], pack, b, n)
-            k, v = (_keys(a[name], pack, a, b, m) for name in ("k", "v"))
-            allowed = _band(n, m, a)
-            res = attend_one(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), allowed, a["attn_scale"])
-            _rows(self.out, pack, b, n)[:] = res.transpose(0, 1).to(pack[self.out.uid].dtype)
-
-
-def _rows(t: FakeTensor, pack, b: int, rows: int) -> torch.Tensor:
-    """The first ``rows`` rows of sequence b of a [B, H, S, D] graph tensor, [H, rows, D],
-    through its strides and ragged offset."""
-    base = pack[t.uid]
-    _, h, s, d = t.dim
-    _, sh, ss, sd = t.stride
-    assert rows <= s
-    offset = int(pack[t.ragged.uid].view(-1)[b]) if t.ragged is not None else b * t.stride[0]
-    return torch.as_strided(base, (h, rows, d), (sh, ss, sd), base.storage_offset() + offset)
-
-
-def _keys(t: FakeTensor, pack, a: dict, b: int, m: int) -> torch.Tensor:
-    """Sequence b's first m keys [H, m, D]: dense/ragged rows, or pages through its block table."""
-    table = a.get("paged_attention_k_table" if t.name == "k" else "paged_attention_v_table")
-    if table is None:
-        return _rows(t, pack, b, m)
-    pool, pages = pack[t.uid], pack[table.uid]
-    _, h, page, d = t.dim
-    sp, sh, ss, sd = t.stride
-    rows = [torch.as_strided(pool, (h, d), (sh, sd), pool.storage_offset() + int(pages[b, 0, j // page, 0]) * sp + (j % page) * ss)
-            for j in range(m)]
-    return torch.stack(rows, dim=1)
-
-
-def _band(n: int, m: int, a: dict) -> torch.Tensor:
-    shift = m - n if a["diagonal_alignment"].endswith("BOTTOM_RIGHT") else 0
-    i, j = torch.arange(n)[:, None], torch.arange(m)[None, :]
-    ok = torch.ones(n, m, dtype=torch.bool)
-    if a.get("diagonal_band_right_bound") is not None:
-        ok &= j <= i + shift + a["diagonal_band_right_bound"]
-    if a.get("diagonal_band_left_bound") is not None:  # counts the diagonal itself
-        ok &= j > i + shift - a["diagonal_band_left_bound"]
-    return ok
-
-
-@pytest.fixture
-def fake_cudnn(monkeypatch):
-    module = types.ModuleType("cudnn")
-    module.pygraph = FakeGraph
-    module.data_type, module.heur_mode, module.diagonal_alignment = (_Names(n) for n in ("data_type", "heur_mode",
-                                                                                         "diagonal_alignment"))
-    monkeypatch.setitem(sys.modules, "cudnn", module)
-    monkeypatch.setattr(graphs, "_handle", lambda device: None)
-    monkeypatch.setattr(graphs, "_graphs", OrderedDict())
-    monkeypatch.setattr(FakeGraph, "built", [])
-    return FakeGraph.built
+def _cudnn_forwards(cudnn_lib) -> list:
+    """The sdpa graphs the cuDNN stand-in (``stand_ins/cudnn.py``) ran, each as one dict of its
+    declared tensors and arguments by cudnn-frontend's names."""
+    return [{**node.args, **node.tensors} for node, _ in cudnn_lib.of("fwd")]
 
 
 BF16_TOL = 2e-2  # a bf16 output of values below ~2, against the float64 oracle over the same bf16 inputs
@@ -350,12 +200,13 @@ BF16_TOL = 2e-2  # a bf16 output of values below ~2, against the float64 oracle 
 
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
 @pytest.mark.parametrize("mask,window", [("padding_causal", None), ("padding", None), ("padding_causal", (2, 0))])
-def test_cudnn_paged_graph_reads_the_pools_through_strides(fake_cudnn, fmt, mask, window):
+def test_cudnn_paged_graph_reads_the_pools_through_strides(cudnn_lib, fmt, mask, window):
     cfg = _cfg(fmt, True, mask=mask, window=window)
     params = _schedule(cfg, {}, "cudnn", torch.bfloat16, BF16_TOL)
-    paged = [g for g in fake_cudnn if "paged_attention_k_table" in g.sdpa_args]
-    assert paged and len(paged) == len(fake_cudnn), "every KV call ran the paged graph"
-    a = paged[-1].sdpa_args
+    ran = _cudnn_forwards(cudnn_lib)
+    paged = [a for a in ran if a["paged_attention_k_table"] is not None]
+    assert paged and len(paged) == len(ran), "every KV call ran the paged graph"
+    a = paged[-1]
     page, hkv, d = cfg.page_size, cfg.hkv, cfg.d
     assert a["k"].dim == [cfg.total_pages, hkv, page, d] and a["k"].stride == [page * hkv * d, d, hkv * d, 1]
     pages = cfg.max_seqlen // page
@@ -372,11 +223,11 @@ def test_cudnn_paged_graph_reads_the_pools_through_strides(fake_cudnn, fmt, mask
 
 
 @pytest.mark.parametrize("fmt", ["bshd", "thd"])
-def test_cudnn_non_paged_cache_runs_the_ragged_graph(fake_cudnn, fmt):
+def test_cudnn_non_paged_cache_runs_the_ragged_graph(cudnn_lib, fmt):
     cfg = _cfg(fmt, False)
     _schedule(cfg, {}, "cudnn", torch.bfloat16, BF16_TOL)
-    a = fake_cudnn[-1].sdpa_args
-    assert "paged_attention_k_table" not in a and a["k"].ragged is not None and a["q"].ragged is not None
+    a = _cudnn_forwards(cudnn_lib)[-1]
+    assert a["paged_attention_k_table"] is None and a["k"].ragged is not None and a["q"].ragged is not None
     assert a["k"].dim[2] == cfg.max_seqlen  # each sequence's slot: max_sequence_length rows of the cache
 
 

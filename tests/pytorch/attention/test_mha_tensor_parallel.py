@@ -164,29 +164,3 @@ def test_tp2_matches_tp1_with_split_weights():
 def test_tp_group_outside_an_initialized_process_group_counts_as_one_rank():
     mha = MultiheadAttention(HID, H, tp_group=object(), set_parallel_mode=False, device="cpu")
     assert mha.tp_size == 1 and mha.core_attention.tp_size == 1
-
-
-def test_sequence_parallel_dropout_draws_from_the_default_generator_not_the_tracker():
-    from transformer_engine.pytorch import DotProductAttention
-    from transformer_engine.pytorch.distributed import CudaRNGStatesTracker
-
-    tracker = CudaRNGStatesTracker(device="cpu")
-    tracker.add("model-parallel-rng", 11)
-    q, k, v = (torch.randn(5, 2, H, D, dtype=torch.float64) for _ in range(3))
-
-    def run(**kw):
-        torch.manual_seed(3)
-        return DotProductAttention(H, D, attention_dropout=0.5, get_rng_state_tracker=lambda: tracker, **kw)(q, k, v)
-
-    saved = {n: s.clone() for n, s in tracker.get_states().items()}
-    plain = DotProductAttention(H, D, attention_dropout=0.5)
-    torch.manual_seed(3)
-    expected_default = plain(q, k, v)
-    torch.testing.assert_close(run(sequence_parallel=True), expected_default)
-    assert torch.equal(tracker.get_states()["model-parallel-rng"], saved["model-parallel-rng"])  # stream untouched
-    with_tracker = run()
-    assert not torch.equal(tracker.get_states()["model-parallel-rng"], saved["model-parallel-rng"])
-    # Without sequence parallelism the mask comes from the tracker's stream: the same call on
-    # the default generator, seeded with the tracker's saved state, gives the same values.
-    torch.set_rng_state(saved["model-parallel-rng"])
-    torch.testing.assert_close(with_tracker, plain(q, k, v))

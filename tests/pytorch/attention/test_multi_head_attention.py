@@ -165,3 +165,24 @@ def test_thd_rotary_prepares_the_packed_metadata_once(monkeypatch):
                                                                           "full path": 1 - step}
         want = torch.cat([twin(x[int(o): int(o) + n].unsqueeze(0), rotary_pos_emb=freqs)[0] for o, n in zip(off[:-1], lengths)])
         torch.testing.assert_close(out[valid], want, rtol=1e-12, atol=1e-12)
+
+
+def test_multihead_thd_rotary_without_cu_seqlens_is_named():
+    from transformer_engine.pytorch import MultiheadAttention
+
+    mha = MultiheadAttention(32, 4, qkv_format="thd", attn_mask_type="padding")
+    with pytest.raises(ValueError, match="qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv"):
+        mha(torch.randn(10, 32), rotary_pos_emb=torch.randn(16, 1, 1, 8))
+
+
+def test_rotary_table_shorter_than_a_sequence_is_named():
+    """MultiheadAttention's THD rotary positions index rotary_pos_emb: a table shorter than the
+    longest sequence is named on the CPU (on CUDA it is clamped, never an out-of-range index)."""
+    from transformer_engine.pytorch import MultiheadAttention
+
+    mha = MultiheadAttention(32, 4, qkv_format="thd", attn_mask_type="padding")
+    cu = torch.tensor([0, 6, 10], dtype=torch.int32)
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6, max_seqlen_kv=6)
+    with pytest.raises(ValueError, match="rotary_pos_emb must hold a row for every position: a sequence reaches position 5"):
+        mha(torch.randn(10, 32), rotary_pos_emb=torch.randn(4, 1, 1, 8), **kw)
+    assert mha(torch.randn(10, 32), rotary_pos_emb=torch.randn(6, 1, 1, 8), **kw).shape == (10, 32)

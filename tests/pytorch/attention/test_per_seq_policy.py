@@ -1,19 +1,26 @@
-"""Per-sequence mask policies against a per-sequence reference: mixed, all-full, all-causal,
-empty groups, an empty batch, GQA, with and without gaps; validation messages; sync-free and
-CUDA-graph capture on the GPU."""
+"""Per-sequence mask policies (``attn_mask_type_per_seq``, ``thd_sequence_is_causal``) against
+the float64 reference: mixed, all-full, all-causal, windows, empty groups, an empty batch, GQA,
+with and without gaps; policy windows and ``bottom_right_diagonal``; validation messages; the
+policy table of malformed ids; and the compacted kernel calls (NVTE_THD_POLICY_COMPACT=1) on
+the FA4 and cuDNN stand-ins. The GPU runs are test_gpu_per_seq_policy.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from transformer_engine.pytorch import DotProductAttention
+from transformer_engine.pytorch.attention import backend_scope
+from transformer_engine.pytorch.attention.dot_product_attention import backends
 
-from .gpu_helpers import GPU_BACKENDS, check_graph_replay, grads_of, rel_err, run_on
+from .gpu_helpers import grads_of
+from .grid import cycled
 from .packing import make_thd
 from .reference import reference_thd
+from .stand_ins.cudnn import lengths_of, offsets_of
 
 H, D = 4, 8
 LENGTHS = [5, 3, 7, 1, 4, 6]
@@ -54,12 +61,11 @@ def _policy_table(per_seq, is_causal, b):
 
 
 # The module's own mask must not leak into the policies: a causal module mask once turned
-# every policy causal (its normalized window (-1, 0) was handed to all of them).
-@pytest.mark.parametrize("module_mask", ["padding", "padding_causal"])
-@pytest.mark.parametrize("gaps", [False, True])
-@pytest.mark.parametrize("hg", [4, 2])
-@pytest.mark.parametrize("name", list(POLICIES))
-def test_cpu_parity(name, hg, gaps, module_mask):
+# every policy causal (its normalized window (-1, 0) was handed to all of them). Head counts and
+# the module's mask are taken in turn over the policies and gaps (GQA is independent of them).
+@pytest.mark.parametrize("name,gaps,hg,module_mask", cycled([list(POLICIES), [False, True]],
+                                                             [(4, "padding"), (2, "padding_causal"), (2, "padding"), (4, "padding_causal")]))
+def test_cpu_parity(name, gaps, hg, module_mask):
     per_seq, is_causal = POLICIES[name]
     p = make_thd(LENGTHS, gaps_q=GAPS if gaps else None, h=H, hg=hg, d=D, tail=2)
     dpa = DotProductAttention(H, D, num_gqa_groups=hg, qkv_format="thd", attn_mask_type=module_mask)
@@ -106,6 +112,7 @@ ERRORS = [
     (dict(thd_sequence_is_causal=torch.tensor([True, False])), ValueError, "thd_sequence_is_causal must hold one value per sequence"),
     (dict(thd_sequence_is_causal=torch.ones(6, dtype=torch.bool), attn_mask_type_per_seq={"padding": _ids(*range(6))}), ValueError, "not both"),
     (dict(thd_sequence_is_causal=torch.ones(6, dtype=torch.bool), core_attention_bias_type="alibi"), NotImplementedError, "core_attention_bias_type='alibi' cannot be combined with per-sequence"),
+    (dict(thd_sequence_is_causal=torch.tensor([True, False] * 3), window_size=(-1, 4)), ValueError, "thd_sequence_is_causal"),
 ]
 
 
@@ -147,9 +154,7 @@ def _cross_call(kwargs, flag, gaps=False):
     return p, out.view(-1, H, D)
 
 
-@pytest.mark.parametrize("gaps", [False, True])
-@pytest.mark.parametrize("flag", [None, True])
-@pytest.mark.parametrize("name", list(WINDOWED))
+@pytest.mark.parametrize("name,flag,gaps", cycled([list(WINDOWED), [None, True]], [(False,), (True,)]))
 def test_policy_windows_align_bottom_right_by_default(name, flag, gaps):
     kwargs, types, windows = WINDOWED[name]
     p, out = _cross_call(kwargs, flag, gaps)
@@ -227,88 +232,107 @@ def test_policy_of_ids_matches_the_plain_reference(name, dtype):
     assert got.dtype == torch.int64 and got.tolist() == _policy_of_ids_reference(lists, 6)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", list(ID_CASES))
-def test_gpu_policy_of_ids_matches_the_plain_reference(name):
-    """index_fill on CUDA must wrap the clamped -1 to the last spare slot, as on the CPU."""
-    from transformer_engine.pytorch.attention.dot_product_attention.prepare.policies import policy_of_ids
+# ------------------------------------------------------------------------------------ compacted calls
+# Where the policy sizes are known from the id tensors' shapes, NVTE_THD_POLICY_COMPACT=1 runs each
+# policy's FA4/cuDNN call over its own sequences only (gathered start offsets and lengths, in
+# batch order), so its grid covers them alone (off by default, see environment.py).
 
-    lists = ID_CASES[name]
-    got = policy_of_ids([torch.tensor(ids, dtype=torch.int64, device="cuda") for ids in lists], 6, torch.device("cuda"))
-    torch.cuda.synchronize()
-    assert got.tolist() == _policy_of_ids_reference(lists, 6)
+HG = 2
+PER_SEQ = {"padding_causal": [4, 0, 3], "padding": [5, 2, 1]}  # in no order: the calls run batch order
 
 
-# ------------------------------------------------------------------------------------ GPU
-
-GPU_LENGTHS = [300, 17, 512, 1, 200, 64]
-GPU_GAPS = [5, 0, 33, 2, 0, 100]
-
-
-def _gpu_policies(device):
-    return {
-        "mixed": {"padding_causal": _ids(0, 2, 4, device=device), "padding": _ids(1, 3, 5, device=device)},
-        "empty-group": {"padding_causal": _ids(*range(6), device=device), "padding": _ids(device=device)},
-        "three": {"padding_causal": _ids(0, 5, device=device), "padding": _ids(1, 2, device=device),
-                  ("padding_causal", (64, 0)): _ids(3, 4, device=device)},
-    }
+def _compact_inputs(gaps=True):
+    p = make_thd(LENGTHS, gaps_q=GAPS if gaps else None, h=H, hg=HG, d=D, tail=3)
+    if not gaps:
+        p.fill_outside(7.0)  # FA4 reads the tail in whole tiles; without declared gaps it must be finite
+    per_seq = {mask: torch.tensor(ids) for mask, ids in PER_SEQ.items()}
+    return p, dict(p.kwargs(gaps, max(LENGTHS), max(LENGTHS), shared=True), attn_mask_type_per_seq=per_seq)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("label", list(GPU_BACKENDS))
-@pytest.mark.parametrize("name", ["mixed", "empty-group", "three"])
-# d=64 too: the policies' calls share one buffer, which needs each kernel variant to leave the rows
-# it does not run untouched (probed at d=128 only).
-@pytest.mark.parametrize("gaps,hg,dtype,d", [(True, 4, torch.bfloat16, 128), (False, 2, torch.bfloat16, 128),
-                                             (True, 4, torch.float16, 128), (True, 4, torch.bfloat16, 64)])
-def test_gpu_parity(label, name, gaps, hg, dtype, d):
-    p = make_thd(GPU_LENGTHS, gaps_q=GPU_GAPS if gaps else None, h=H, hg=hg, d=d, dtype=dtype, device="cuda", tail=7 if gaps else 0)
-    dpa = DotProductAttention(H, d, num_gqa_groups=hg, qkv_format="thd", attn_mask_type="padding")
-    kwargs = dict(p.kwargs(gaps, 512, 512, shared=True), attn_mask_type_per_seq=_gpu_policies("cuda")[name])
-    out = run_on(label, dpa, p.q, p.k, p.v, **kwargs)
+@pytest.mark.parametrize("gaps", [True, False])
+def test_compacted_calls_run_only_their_sequences_in_batch_order(fa4_lib, gaps, monkeypatch):
+    monkeypatch.setenv("NVTE_THD_POLICY_COMPACT", "1")
+    p, kwargs = _compact_inputs(gaps)
+    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd")
+    with backend_scope(force=backends.FlashAttentionV4):
+        out = dpa(p.q, p.k, p.v, **kwargs)
     g = torch.randn_like(out)
-    got = grads_of(out, [p.q, p.k, p.v], g)
+    grads = torch.autograd.grad(out, (p.q, p.k, p.v), g)
+    offsets = (p.off_q if gaps else p.cu_q).tolist()
+    assert len(fa4_lib.of("fwd")) == 2
+    for kw, ids in zip(fa4_lib.of("fwd"), PER_SEQ.values()):
+        ids = sorted(ids)
+        assert kw["cu_seqlens_q"].tolist() == [offsets[i] for i in ids] + [offsets[-1]]
+        assert torch.equal(kw["cu_seqlens_k"], kw["cu_seqlens_q"])
+        assert kw["seqused_q"].tolist() == [LENGTHS[i] for i in ids] and torch.equal(kw["seqused_k"], kw["seqused_q"])
+    # The numbers: the unfused backend on the same inputs.
     ref_in = [t.detach().clone().requires_grad_() for t in (p.q, p.k, p.v)]
-    ref = run_on("unfused", dpa, *ref_in, **kwargs)
-    want = grads_of(ref, ref_in, g)
-    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
-    assert rel_err(out, ref) < tol and torch.all(out[~p.valid_q] == 0)
-    for a, b, valid in zip(got, want, (p.valid_q, p.valid_kv, p.valid_kv)):
-        assert torch.isfinite(a).all() and torch.all(a[~valid] == 0)
-        assert rel_err(a, b) < 4 * tol
+    with backend_scope(allow=["unfused"]):
+        ref = dpa(*ref_in, **kwargs)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for a, b in zip(grads, torch.autograd.grad(ref, ref_in, g)):  # from FA4's float32 LSE
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert torch.all(out[~p.valid_q] == 0) and all(torch.all(t[~p.valid_q] == 0) for t in grads)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("label", list(GPU_BACKENDS))
-@pytest.mark.parametrize("spelling", ["shorthand", "dict"])
-def test_gpu_cuda_graph(label, spelling):
-    """Mixed policies with gaps, forward+backward, captured in a CUDA graph and replayed on new
-    values (both spellings: one call per policy over the whole batch)."""
-    p = make_thd(GPU_LENGTHS, gaps_q=GPU_GAPS, h=H, d=128, dtype=torch.bfloat16, device="cuda")
-    dpa = DotProductAttention(H, 128, qkv_format="thd", attn_mask_type="padding")
-    kwargs = p.kwargs(True, 512, 512, shared=True)
-    if spelling == "dict":
-        kwargs["attn_mask_type_per_seq"] = _gpu_policies("cuda")["mixed"]
-    else:
-        kwargs["thd_sequence_is_causal"] = torch.tensor([1, 0, 1, 0, 1, 0], dtype=torch.bool, device="cuda")
-    g = torch.randn(p.q.shape[0], H * 128, device="cuda", dtype=torch.bfloat16)
-    check_graph_replay(label, dpa, [p.q, p.k, p.v], kwargs, g)
+@pytest.mark.parametrize("value", ["0", None])
+def test_compaction_off_spans_the_batch_in_every_call(fa4_lib, value, monkeypatch):
+    if value is not None:
+        monkeypatch.setenv("NVTE_THD_POLICY_COMPACT", value)
+    p, kwargs = _compact_inputs()
+    with backend_scope(force=backends.FlashAttentionV4):
+        DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd")(p.q, p.k, p.v, **kwargs)
+    assert [kw["cu_seqlens_q"].numel() for kw in fa4_lib.of("fwd")] == [len(LENGTHS) + 1] * 2
+    causal = set(PER_SEQ["padding_causal"])
+    assert fa4_lib.of("fwd")[0]["seqused_q"].tolist() == [n if i in causal else 0 for i, n in enumerate(LENGTHS)]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("label", list(GPU_BACKENDS))
-def test_gpu_no_host_sync(label):
-    """Mixed policies with gaps, forward+backward, under set_sync_debug_mode('error')."""
-    p = make_thd(GPU_LENGTHS, gaps_q=GPU_GAPS, h=H, d=128, dtype=torch.bfloat16, device="cuda")
-    dpa = DotProductAttention(H, 128, qkv_format="thd", attn_mask_type="padding")
-    policies = {"padding_causal": _ids(0, 2, 4, device="cuda"), ("padding", (64, 64)): _ids(1, 3, 5, device="cuda")}
-    kwargs = dict(p.kwargs(True, 512, 512, shared=True), attn_mask_type_per_seq=policies)
-    g = torch.randn(p.q.shape[0], H * 128, device="cuda", dtype=torch.bfloat16)
-    run_on(label, dpa, p.q, p.k, p.v, **kwargs).backward(g)  # warm-up: JIT and plans may sync
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        run_on(label, dpa, p.q, p.k, p.v, **kwargs).backward(g)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert torch.isfinite(p.q.grad).all()
+def test_is_causal_shorthand_is_not_compacted(fa4_lib, monkeypatch):
+    """Its policy sizes are values, not shapes: telling them apart would take a sync."""
+    monkeypatch.setenv("NVTE_THD_POLICY_COMPACT", "1")
+    p, kwargs = _compact_inputs()
+    del kwargs["attn_mask_type_per_seq"]
+    kwargs["thd_sequence_is_causal"] = torch.tensor([True, False, False, True, True, False])
+    with backend_scope(force=backends.FlashAttentionV4):
+        DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd")(p.q, p.k, p.v, **kwargs)
+    assert [kw["cu_seqlens_q"].numel() for kw in fa4_lib.of("fwd")] == [len(LENGTHS) + 1] * 2
+
+
+def test_spare_entries_of_malformed_ids_run_nothing_inside_the_tensor(monkeypatch):
+    """Sizes larger than the sequences a policy really owns (repeated or out-of-range ids, which
+    only the CUDA path lets through unchecked): the spare entries get length 0 and a start
+    inside the tensor."""
+    from transformer_engine.pytorch.attention.dot_product_attention.backends.varlen import plan_varlen
+    from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType, MaskSpec
+    from transformer_engine.pytorch.attention.dot_product_attention.prepare.policies import SeqPolicies
+
+    monkeypatch.setenv("NVTE_THD_POLICY_COMPACT", "1")
+    p, kwargs = _compact_inputs()
+    specs = (MaskSpec(AttnMaskType.PADDING_CAUSAL, (-1, 0)), MaskSpec(AttnMaskType.PADDING, (-1, -1)))
+    policies = SeqPolicies(specs, torch.tensor([0, 1, 1, 0, 0, 1]), (True, True), sizes=(5, 3))  # policy 0 owns 3
+    captured = {}
+
+    def spy(inp, training):
+        captured["plan"] = plan_varlen(dataclasses.replace(inp, policies=policies))
+        return inp.q.new_zeros(*inp.q.shape[:-1], D)
+
+    monkeypatch.setattr(backends.FlashAttentionV4, "run", staticmethod(spy))
+    with backend_scope(force=backends.FlashAttentionV4), torch.no_grad():
+        DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd")(p.q, p.k, p.v, **kwargs)
+    causal, full = captured["plan"].calls
+    offsets = p.off_q.tolist()
+    assert causal.offsets_q.tolist() == [offsets[0], offsets[3], offsets[4], offsets[5], offsets[5], offsets[-1]]
+    assert causal.seqused_q.tolist() == [LENGTHS[0], LENGTHS[3], LENGTHS[4], 0, 0]
+    assert full.offsets_q.tolist() == [offsets[1], offsets[2], offsets[5], offsets[-1]]
+    assert full.batch_size == 3 and causal.batch_size == 5
+
+
+def test_compacted_cudnn_calls_take_the_policy_size_as_batch(cudnn_lib, monkeypatch):
+    monkeypatch.setenv("NVTE_THD_POLICY_COMPACT", "1")
+    p, kwargs = _compact_inputs()
+    with backend_scope(force=backends.FusedAttention):
+        DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd")(p.q, p.k, p.v, **kwargs)
+    runs = cudnn_lib.of("fwd")
+    assert [graph.b for graph, _ in runs] == [3, 3]
+    assert [offsets_of(pack, "q").numel() for _, pack in runs] == [4, 4]
+    assert [lengths_of(pack, "q").tolist() for _, pack in runs] == [[LENGTHS[i] for i in sorted(ids)] for ids in PER_SEQ.values()]

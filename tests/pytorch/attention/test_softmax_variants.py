@@ -1,7 +1,8 @@
-"""softmax_type ("vanilla", "off-by-one", "learnable") and return_max_logit on the unfused
-backend against an independent float64 reference (outputs and gradients, the sink's included),
-dense and THD (per-sequence loop and the gathered path, with gaps and GQA); the FA4 wiring on
-the CPU with the kernel emulated; the declarations and errors."""
+"""softmax_type ("vanilla", "off-by-one", "learnable": a sink logit per head) on the unfused
+backend against the float64 reference (outputs and gradients, the sink's included), dense and
+THD (per-sequence loop and the gathered path, with gaps and GQA), with the max logit alongside;
+the FA4 wiring on FA4's stand-in; the declarations and errors. (return_max_logit itself:
+test_max_logit.py.)"""
 
 from __future__ import annotations
 
@@ -15,60 +16,23 @@ from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention.dot_product_attention import AttentionParams, get_attention_backend
 from transformer_engine.pytorch.attention import backend_scope
 from transformer_engine.pytorch.attention.dot_product_attention import backends
-from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
 from transformer_engine.pytorch.attention.dot_product_attention.selection.libraries import InstalledLibraries
 from transformer_engine.pytorch.attention.dot_product_attention.masks import AttnMaskType
 
 from .gpu_helpers import env
 from .packing import make_thd
-from .reference import allowed_matrix
+from .reference import allowed_matrix, attend_one, max_logit_one, reference_thd
 
 H, HG, D = 4, 2, 8
 SINK = torch.tensor([0.7, -1.3, 2.0, 0.1], dtype=torch.float64)
 
 
-# ------------------------------------------------------------------------- the reference
-
-
-def sink_attend(q, k, v, allowed, scale, sink):
-    """q [sq, h, d], k/v [skv, hg, d] float64 -> [sq, h, dv]. ``sink`` [h] or None (vanilla).
-
-    TE's definition, literally: the sink is one more column of the score matrix, with no value
-    vector; masked scores are -inf; a row with nothing to attend gives 0."""
-    sq, h, _ = q.shape
-    hg = k.shape[1]
-    rows = []
-    for head in range(h):
-        kh = head // (h // hg)
-        scores = (q[:, head] @ k[:, kh].T * scale).masked_fill(~allowed, -math.inf)
-        if sink is None:
-            probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
-        else:
-            column = sink[head].expand(sq, 1)
-            probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[:, :-1]
-        rows.append(probs @ v[:, kh])
-    return torch.stack(rows, dim=1)
-
-
-def max_logit_one(q, k, allowed, scale):
-    """[h]: max of the scaled scores over allowed pairs (-inf if none)."""
-    h, hg = q.shape[1], k.shape[1]
-    out = []
-    for head in range(h):
-        scores = q[:, head] @ k[:, head // (h // hg)].T * scale
-        out.append(scores.masked_fill(~allowed, -math.inf).max() if allowed.numel() else torch.tensor(-math.inf))
-    return torch.stack(out)
-
-
-def reference_thd(p, lengths_q, lengths_kv, mask, scale, sink):
-    out = torch.zeros(p.q.shape[0], p.q.shape[1], p.v.shape[-1], dtype=torch.float64)
-    maxes = []
-    for i, (n, m) in enumerate(zip(lengths_q, lengths_kv)):
-        a, c = int(p.off_q[i]), int(p.off_kv[i])
-        allowed = allowed_matrix(n, m, mask)
-        if n:
-            out[a : a + n] = sink_attend(p.q[a : a + n], p.k[c : c + m], p.v[c : c + m], allowed, scale, sink)
-            maxes.append(max_logit_one(p.q[a : a + n], p.k[c : c + m], allowed, scale))
+def _reference_thd(p, lengths_q, lengths_kv, mask, scale, sink):
+    """(output, max logit over the sequences) of the float64 reference."""
+    cu = lambda ls: [0] + [sum(ls[: i + 1]) for i in range(len(ls))]  # noqa: E731
+    out = reference_thd(p.q, p.k, p.v, cu(lengths_q), cu(lengths_kv), p.off_q, p.off_kv, mask, None, scale, sink=sink)
+    maxes = [max_logit_one(p.q[a : a + n], p.k[c : c + m], allowed_matrix(n, m, mask), scale)
+             for a, c, n, m in zip(p.off_q.tolist(), p.off_kv.tolist(), lengths_q, lengths_kv) if n]
     return out, torch.stack(maxes).amax(dim=0)
 
 
@@ -119,7 +83,7 @@ def test_thd_outputs_and_gradients_match_reference(softmax_type, gather, mask):
     sink = _leaf_sink(softmax_type)
     leaves = [t.detach().clone().requires_grad_() for t in (p.q, p.k, p.v)]
     ref_p = replace(p, q=leaves[0], k=leaves[1], v=leaves[2])
-    ref, ref_max = reference_thd(ref_p, LENGTHS_Q, LENGTHS_KV, mask, 1 / math.sqrt(D), sink)
+    ref, ref_max = _reference_thd(ref_p, LENGTHS_Q, LENGTHS_KV, mask, 1 / math.sqrt(D), sink)
     ref = ref.view(out.shape)
     _close(out, ref)
     assert torch.equal(out[~p.valid_q], torch.zeros_like(out[~p.valid_q]))
@@ -186,7 +150,7 @@ def test_dense_padding_outputs_gradients_and_max_logit(softmax_type, fmt):
     for i in range(b):
         n, m = len_q[i], len_kv[i]
         allowed = allowed_matrix(n, m, "padding_causal_bottom_right")
-        ref[i, :n] = sink_attend(ref_leaves[0][i, :n], ref_leaves[1][i, :m], ref_leaves[2][i, :m], allowed, 1 / math.sqrt(D), sink)
+        ref[i, :n] = attend_one(ref_leaves[0][i, :n], ref_leaves[1][i, :m], ref_leaves[2][i, :m], allowed, 1 / math.sqrt(D), sink=sink)
         maxes.append(max_logit_one(q[i, :n], k[i, :m], allowed, 1 / math.sqrt(D)))
     # Padded query rows are not specified by TE (the unfused backend gives 0 there): compare valid rows.
     valid = torch.zeros(b, sq, dtype=torch.bool)
@@ -200,32 +164,6 @@ def test_dense_padding_outputs_gradients_and_max_logit(softmax_type, fmt):
     want = _grads(ref, ref_leaves + [sink], g)
     for x, y in zip(got, want):
         _close(x, y)
-
-
-def test_max_logit_includes_the_bias_and_ignores_the_sink():
-    """TE: max over (batch, queries, keys) of mask(q k^T * scale + bias), per head, before the
-    sink joins the softmax."""
-    gen = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(2, 5, H, D, generator=gen, dtype=torch.float64) for _ in range(3))
-    bias = torch.randn(1, H, 5, 5, generator=gen, dtype=torch.float64)
-    dpa = DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="causal", softmax_type="learnable",
-                              return_max_logit=True).double()
-    with torch.no_grad():
-        dpa.softmax_offset.fill_(50.0)  # a sink far above every score must not show up
-    out, max_logit = dpa(q, k, v, core_attention_bias_type="post_scale_bias", core_attention_bias=bias)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D) + bias
-    scores = scores.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), -math.inf)
-    _close(max_logit, scores.amax(dim=(0, 2, 3)))
-    assert max_logit.shape == (H,) and not max_logit.requires_grad
-    assert out.shape == (2, 5, H * D)
-
-
-def test_vanilla_return_max_logit_returns_a_pair_and_vanilla_default_returns_a_tensor():
-    q = torch.randn(4, 2, H, D)
-    out = DotProductAttention(H, D)(q, q, q)
-    assert isinstance(out, torch.Tensor)
-    out, mx = DotProductAttention(H, D, return_max_logit=True)(q, q, q)
-    assert out.shape == (4, 2, H * D) and mx.shape == (H,) and mx.dtype == torch.float32
 
 
 def test_repeated_calls_through_the_fast_path_keep_the_softmax_variant():
@@ -336,17 +274,6 @@ def test_cudnn_sinks_need_more_than_one_query_row():
     assert "softmax_type='off-by-one' with max_seqlen_q=1" in text and "decode-only" in text
 
 
-def test_selection_return_max_logit_goes_to_cudnn_with_reasons():
-    sel = get_attention_backend(replace(THD, return_max_logit=True), ALL_LIBS)
-    assert sel.label == "FusedAttention"
-    fa4 = "; ".join(map(str, sel.reasons_for("FlashAttention v4")))
-    assert fa4.startswith("return_max_logit=True (supported: False; FlashAttention returns only the log-sum-exp")
-    # With a sink, cuDNN's score max takes the sink in: the unfused backend runs it.
-    sel = get_attention_backend(replace(THD, return_max_logit=True, softmax_type="learnable"), replace(ALL_LIBS, cudnn=92600))
-    assert sel.label == "UnfusedDotProductAttention"
-    assert "cuDNN's score max includes the sink logit" in "; ".join(map(str, sel.reasons_for("FusedAttention")))
-
-
 def test_fa4_sm100_hd256_sink_needs_no_gradient():
     base = replace(THD, compute_capability=(10, 0), head_dim_qk=256, head_dim_v=256, softmax_type="learnable")
     sel = get_attention_backend(base, ALL_LIBS)
@@ -354,104 +281,46 @@ def test_fa4_sm100_hd256_sink_needs_no_gradient():
     assert get_attention_backend(replace(base, requires_grad=False), ALL_LIBS).label == "FlashAttention v4"
 
 
-# ------------------------------------------------------------------------- FA4 wiring on the CPU
-
-
-def _fake_seqs(cu_q, cu_kv, used_q, used_kv):
-    lq = (cu_q[1:] - cu_q[:-1]) if used_q is None else used_q
-    lk = (cu_kv[1:] - cu_kv[:-1]) if used_kv is None else used_kv
-    return list(zip(cu_q[:-1].tolist(), cu_kv[:-1].tolist(), lq.tolist(), lk.tolist()))
-
-
-def _fake_one(q, k, v, causal, scale, sink):
-    allowed = allowed_matrix(q.shape[0], k.shape[0], "padding_causal_bottom_right" if causal else "padding")
-    return sink_attend(q, k, v, allowed, scale, sink)
-
-
-class _SinkFA4:
-    """FA4 emulated per sequence in float64, with its sink arguments: the forward takes
-    ``learnable_sink``, the backward ADDS its rows' sink gradient into ``dsink``."""
-
-    calls = []
-
-    @staticmethod
-    def fa4_fwd(q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, max_q, max_kv, scale, causal, left, right, learnable_sink=None,
-                num_splits=None):
-        _SinkFA4.calls.append(("fwd", learnable_sink))
-        for oq, ok_, nq, nk in _fake_seqs(cu_q, cu_kv, used_q, used_kv):
-            if nq:
-                out[oq : oq + nq] = _fake_one(q[oq : oq + nq], k[ok_ : ok_ + nk], v[ok_ : ok_ + nk], causal, scale,
-                                              None if learnable_sink is None else learnable_sink.double()).to(out.dtype)
-
-    @staticmethod
-    def fa4_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_kv, used_q, used_kv, max_q, max_kv, scale, causal, left,
-                right, deterministic):
-        _SinkFA4.fa4_bwd_sink(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_kv, used_q, used_kv, max_q, max_kv, scale,
-                              causal, left, right, deterministic, None, None)
-
-    @staticmethod
-    def fa4_bwd_sink(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_kv, used_q, used_kv, max_q, max_kv, scale, causal, left,
-                     right, deterministic, learnable_sink, dsink):
-        _SinkFA4.calls.append(("bwd", dsink))
-        for oq, ok_, nq, nk in _fake_seqs(cu_q, cu_kv, used_q, used_kv):
-            if not nq:
-                continue
-            leaves = [t.double().detach().requires_grad_() for t in (q[oq : oq + nq], k[ok_ : ok_ + nk], v[ok_ : ok_ + nk])]
-            sink = None if learnable_sink is None else learnable_sink.double().detach().requires_grad_()
-            with torch.enable_grad():
-                o = _fake_one(*leaves, causal, scale, sink)
-                grads = torch.autograd.grad(o, leaves + ([sink] if sink is not None else []), dout[oq : oq + nq].double())
-            dq[oq : oq + nq], dk[ok_ : ok_ + nk], dv[ok_ : ok_ + nk] = (g.to(dq.dtype) for g in grads[:3])
-            if dsink is not None:
-                dsink.add_(grads[3].to(dsink.dtype))
-
+# ------------------------------------------------------------------------- FA4 wiring, on its stand-in
 
 
 @pytest.fixture
-def fa4_with_sinks(monkeypatch):
-    from transformer_engine.pytorch.attention.dot_product_attention.backends import gap_rows
-    _SinkFA4.calls = []
-    _SinkFA4.zero_gap_rows = staticmethod(gap_rows.zero_gap_rows)
-    _SinkFA4.zero_gap_rows_qkv = staticmethod(gap_rows.zero_gap_rows_qkv)
-    monkeypatch.setattr(kernel_ops, "ops", _SinkFA4())
+def fa4(fa4_lib):
     with backend_scope(force=backends.FlashAttentionV4):
-        yield
+        yield fa4_lib
 
 
 @pytest.mark.parametrize("policies", [False, True])
-def test_fa4_path_passes_the_sink_and_returns_its_gradient(fa4_with_sinks, policies):
+def test_fa4_path_passes_the_sink_and_returns_its_gradient(fa4, policies):
     lengths = [5, 3, 6]
     p = make_thd(lengths, gaps_q=[2, 0, 1], h=H, hg=HG, d=D)
     dpa = _dpa("learnable")
     kwargs = p.kwargs(True, 6, 6, shared=True)
-    masks = ["padding_causal"] * 3
+    masks = "padding_causal"
     if policies:
         kwargs["thd_sequence_is_causal"] = torch.tensor([True, False, True])
         masks = ["padding_causal", "padding", "padding_causal"]
     out = dpa(p.q, p.k, p.v, **kwargs)
-    assert [c[0] for c in _SinkFA4.calls] == ["fwd"] * (2 if policies else 1)
-    assert all(c[1] is not None and c[1].dtype == torch.float32 for c in _SinkFA4.calls)
+    calls = 2 if policies else 1
+    assert len(fa4.of("fwd")) == calls
+    assert all(kw["learnable_sink"].dtype == torch.float32 for kw in fa4.of("fwd"))
     g = torch.randn_like(out)
     got = torch.autograd.grad(out, [dpa.softmax_offset, p.q], g)
-    assert [c[0] for c in _SinkFA4.calls[-(2 if policies else 1):]] == ["bwd"] * (2 if policies else 1)
+    assert len(fa4.of("bwd")) == calls and all("learnable_sink" in kw for kw in fa4.of("bwd"))
     sink = SINK.clone().requires_grad_()
-    ref = torch.zeros(p.q.shape[0], H, D, dtype=torch.float64)
     leaves_q = p.q.detach().clone().requires_grad_()
-    for i, n in enumerate(lengths):
-        a = int(p.off_q[i])
-        ref[a : a + n] = sink_attend(leaves_q[a : a + n], p.k.detach()[a : a + n], p.v.detach()[a : a + n],
-                                     allowed_matrix(n, n, masks[i]), 1 / math.sqrt(D), sink)
-    ref = ref.view(out.shape)
+    ref = reference_thd(leaves_q, p.k.detach(), p.v.detach(), p.cu_q, p.cu_q, p.off_q, p.off_q, masks, None, 1 / math.sqrt(D),
+                        sink=sink).view(out.shape)
     _close(out, ref, 1e-6)  # the sink passes through float32
     want = torch.autograd.grad(ref, [sink, leaves_q], g)
     _close(got[0], want[0], 1e-5)  # summed over both policies' calls
-    _close(got[1], want[1], 1e-6)
+    _close(got[1], want[1], 1e-5)
 
 
-def test_fa4_path_off_by_one_passes_zeros_and_no_sink_gradient(fa4_with_sinks):
+def test_fa4_path_off_by_one_passes_zeros_and_no_sink_gradient(fa4):
     p = make_thd([4, 2], h=H, hg=HG, d=D)
     dpa = _dpa("off-by-one")
     out = dpa(p.q, p.k, p.v, **p.kwargs(False, 4, 4, shared=True))
-    assert torch.equal(_SinkFA4.calls[0][1], torch.zeros(H))
+    assert torch.equal(fa4.of("fwd")[0]["learnable_sink"], torch.zeros(H))
     out.sum().backward()
     assert p.q.grad is not None and dpa.softmax_offset.grad is None

@@ -138,21 +138,6 @@ def test_tracker_errors_name_the_problem():
         te_dist.CudaRNGStatesTracker(device="tpu")
 
 
-@pytest.mark.gpu
-def test_tracker_on_cuda_forks_the_cuda_stream():
-    tracker = te_dist.CudaRNGStatesTracker()
-    assert tracker.device == "cuda"
-    torch.cuda.manual_seed(5)
-    expected_default = torch.rand(4, device="cuda")
-    torch.cuda.manual_seed(5)
-    tracker.add("model-parallel-rng", 9)
-    with tracker.fork():
-        drawn = torch.rand(4, device="cuda")
-    torch.testing.assert_close(torch.rand(4, device="cuda"), expected_default)
-    g = torch.Generator(device="cuda").manual_seed(9)
-    torch.testing.assert_close(drawn, torch.rand(4, device="cuda", generator=g))
-
-
 def test_activation_recompute_forward_sets_and_restores_the_phase():
     assert not te_dist.in_fp8_activation_recompute_phase()
     with te_dist.activation_recompute_forward(activation_recompute=True, recompute_phase=True):

@@ -1,6 +1,10 @@
-"""Bad input gets a clear error that names the argument, what it got and what it accepts."""
+"""Bad input gets a clear error that names the argument, what it got and what it accepts
+(randomized bad THD metadata: test_thd_packings.py; bad per-sequence policies:
+test_per_seq_policy.py; bad repeats on the fast path: test_fast_path.py)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -125,16 +129,6 @@ def test_bias_type_unknown():
         DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="no_mask")(q, k, v, core_attention_bias_type="rel")
 
 
-def test_window_contradicts_mask_in_forward():
-    """As TE's window check: the right bound is cut to 0 with a warning, not an error."""
-    q, k, v = dense()
-    dpa = DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="no_mask")
-    with pytest.warns(UserWarning, match=r"window_size=\(2, 2\) reaches right of the diagonal.*using \(2, 0\)"):
-        out = dpa(q, k, v, attn_mask_type="causal", window_size=(2, 2))
-    # exact: both calls normalize to one window, so the same ops run on the same data
-    torch.testing.assert_close(out, dpa(q, k, v, attn_mask_type="causal", window_size=(2, 0)), rtol=0, atol=0)
-
-
 def test_padding_without_mask_or_lengths():
     q, k, v = dense()
     with pytest.raises(ValueError, match="needs attention_mask .* or cu_seqlens_q/cu_seqlens_kv; got neither"):
@@ -178,3 +172,28 @@ def test_policy_diagonals_are_checked_like_the_calls_own_mask():
         check_policy_diagonals(False, specs, "attn_mask_type_per_seq")
     with pytest.raises(TypeError, match="bottom_right_diagonal must be None, True or False; got 0"):
         check_policy_diagonals(0, specs, "thd_sequence_is_causal")
+
+
+@pytest.mark.parametrize("scale", ["0.1", math.inf, -math.inf, math.nan, True])
+def test_softmax_scale_must_be_a_finite_number(scale):
+    with pytest.raises(ValueError, match=r"softmax_scale must be a finite float \(or None for 1/sqrt\(head_dim\)\); got " + repr(scale)[:3]):
+        DotProductAttention(H, D, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("bad", [-1, "2", 2.0, True])
+def test_num_splits_bad_values_are_named(bad):
+    q, k, v = dense()
+    with pytest.raises(ValueError, match=r"num_splits must be None or a non-negative int .*; got " + repr(bad).replace(".", r"\.")):
+        DotProductAttention(H, D, qkv_format="bshd")(q, k, v, num_splits=bad)
+
+
+@pytest.mark.parametrize("cu,msg", [
+    ([0, 7, 9], r"cu_seqlens_q must give each sequence a length in \[0, 5\] \(the padded length\); got lengths \[7, 2\]"),
+    ([0, 3, 1], r"cu_seqlens_q must give each sequence a length in \[0, 5\] \(the padded length\); got lengths \[3, -2\]"),
+])
+def test_dense_cu_seqlens_outside_the_padded_length_are_rejected(cu, msg):
+    q, k, v = dense()
+    good = torch.tensor([0, 5, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=msg):
+        DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="padding")(
+            q, k, v, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), cu_seqlens_kv=good)

@@ -87,6 +87,7 @@ class FP8CudnnStandIn:
                 o8[sq:sq + n] = rows
             else:
                 o8[i, :n] = rows
+                o8[i, n:] = 1.0  # the H200's FP8 forward writes rows past a dense length: the caller clears them
             stats[i, :, :n, 0] = lse
         amaxes[0, 0], amaxes[1, 0] = amax_s, amax_o
         return stats

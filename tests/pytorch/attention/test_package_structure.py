@@ -1,14 +1,20 @@
-"""Structure rules of issue 15 that a reader should not have to re-check by hand: short
-functions, one home per name (no re-export shims), one immutable prepared call."""
+"""The repository's rules that a reader should not have to re-check by hand: short functions,
+one home per name (no re-export shims), one immutable prepared call, an import graph without
+loops whose arrows run from cp/ to backends/; every test file run by the QA script; the
+README's Python floor true for what its commands install."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
 import importlib
+import importlib.metadata
+import re
+import sys
 from pathlib import Path
 
 import pytest
+from packaging.specifiers import SpecifierSet
 
 ROOT = Path(__file__).resolve().parents[3]
 PACKAGE = ROOT / "transformer_engine"
@@ -43,12 +49,6 @@ def test_the_line_count_counts_the_body_not_the_signature_or_docstring():
     assert _long_functions(short + "    return x\n", "m") == [("m:1 f", 61)]
 
 
-@pytest.mark.parametrize("module", [f"{DPA}.gpu_ops", f"{DPA}._reexport"])
-def test_old_module_paths_are_gone(module):
-    with pytest.raises(ModuleNotFoundError):
-        importlib.import_module(module)
-
-
 def test_utils_holds_only_te_names_and_backends_no_private_ones():
     utils = importlib.import_module(f"{DPA}.utils")
     public = {n for n in vars(utils) if not n.startswith("__")}
@@ -58,12 +58,11 @@ def test_utils_holds_only_te_names_and_backends_no_private_ones():
     assert private == set()
 
 
-def test_attention_inputs_is_one_frozen_record_without_extras():
+def test_attention_inputs_is_one_frozen_record():
     from transformer_engine.pytorch.attention.dot_product_attention.prepare.inputs import AttentionInputs
 
     assert AttentionInputs.__dataclass_params__.frozen
-    names = {f.name for f in dataclasses.fields(AttentionInputs)}
-    assert "extras" not in names and "bias_shape" in names and "max_logit" not in names
+    assert "bias_shape" in {f.name for f in dataclasses.fields(AttentionInputs)}  # derived once, in the record
 
 
 # ---------------------------------------------------------------------------------- the import graph
@@ -170,3 +169,66 @@ def test_backends_running_span_schedules_declare_their_kernel_interface():
             assert all(callable(getattr(cls.KERNEL, m, None)) for m in ("forward", "backward", "stats_to_rows", "stats_from_rows")), cls
         else:
             assert cls.KERNEL is None, cls
+
+
+# ---------------------------------------------------------------------------------- the QA script
+
+
+def test_every_test_file_is_listed_in_the_qa_script():
+    """Upstream once shipped a test file that its QA script silently skipped."""
+    script = (ROOT / "qa" / "L0_pytorch_unittest" / "test.sh").read_text()
+    listed = set(re.findall(r"^run_file (\S+)", script, flags=re.M))
+    present = {p.name for p in (ROOT / "tests" / "pytorch" / "attention").glob("test_*.py")}
+    assert present - listed == set(), f"test files not run by test.sh: {sorted(present - listed)}"
+    assert listed - present == set(), f"test.sh runs files that do not exist: {sorted(listed - present)}"
+
+
+def _gpu_marks(source: str):
+    """(whether the module sets ``pytestmark = pytest.mark.gpu``, how many tests are decorated
+    with ``pytest.mark.gpu`` one by one)."""
+    tree = ast.parse(source)
+    module = any(isinstance(n, ast.Assign) and [ast.unparse(t) for t in n.targets] == ["pytestmark"]
+                 and ast.unparse(n.value) == "pytest.mark.gpu" for n in tree.body)
+    decorated = sum(ast.unparse(d) == "pytest.mark.gpu" for n in ast.walk(tree)
+                    if isinstance(n, (ast.FunctionDef, ast.ClassDef)) for d in n.decorator_list)
+    return module, decorated
+
+
+def test_gpu_tests_live_in_gpu_files_and_nowhere_else():
+    """One marker per file: test_gpu_*.py files mark every test gpu (module-level pytestmark),
+    other test files mark none, so the QA script may skip GPU files whole on a CPU machine."""
+    mixed = []
+    for path in sorted((ROOT / "tests" / "pytorch" / "attention").glob("test_*.py")):
+        module, decorated = _gpu_marks(path.read_text())
+        if module != path.name.startswith("test_gpu_") or decorated:
+            mixed.append(path.name)
+    assert mixed == [], f"files mixing GPU and CPU tests (or GPU files without pytestmark = pytest.mark.gpu): {mixed}"
+
+
+# ---------------------------------------------------------------------------------- the README's Python floor
+# The quick start states a Python floor for both of its commands; CI runs them on that floor. This
+# fails if the README's number drifts below what the pinned torch or the test extra's packages
+# demand, or above the interpreter CI runs.
+
+
+def _stated_floor() -> tuple:
+    match = re.search(r"only Python (\d+)\.(\d+) or newer", (ROOT / "README.md").read_text())
+    assert match, "the README's quick start must state its Python floor as 'only Python X.Y or newer'"
+    return int(match.group(1)), int(match.group(2))
+
+
+def test_the_interpreter_meets_the_stated_floor():
+    assert sys.version_info[:2] >= _stated_floor()
+
+
+@pytest.mark.parametrize("package", ["torch", "megatron-core"])
+def test_the_stated_floor_satisfies_what_the_commands_install(package):
+    """The installed distribution's Requires-Python admits the stated floor."""
+    try:
+        requires = importlib.metadata.metadata(package)["Requires-Python"]
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip(f"{package} is not installed (the test extra installs it)")
+    if not requires:
+        return
+    major, minor = _stated_floor()
+    assert SpecifierSet(requires).contains(f"{major}.{minor}"), f"{package} needs Python {requires}; the README says {major}.{minor}"

@@ -360,3 +360,31 @@ def test_cli_says_what_a_machine_with_every_library_would_choose(capsys, monkeyp
     assert "note:" not in capsys.readouterr().out
     assert explain_main(["--format", "thd", "--assume-all-libraries"]) == 0
     assert "note:" not in capsys.readouterr().out
+
+
+def test_sq_equals_skv_is_one_fact_for_selection_and_the_cudnn_runner(monkeypatch):
+    """One cu_seqlens tensor for both sides means sq == skv for every sequence, whatever the
+    padded offsets: selection (shared_cu_seqlens) and the cuDNN runner read the same property
+    (before, selection also required the same offsets and refused what the runner would run)."""
+    from transformer_engine.pytorch import DotProductAttention
+    from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa_module
+
+    from .packing import make_thd
+
+    seen = {}
+    real = dpa_module.selection_params
+
+    def spy(module, inp, fmt, layout):
+        params = real(module, inp, fmt, layout)
+        seen["params"], seen["inp"] = params, inp
+        return params
+
+    monkeypatch.setattr(dpa_module, "selection_params", spy)
+    p = make_thd([3, 4], gaps_q=[1, 2], h=4, d=8)
+    kw = dict(cu_seqlens_q=p.cu_q, cu_seqlens_kv=p.cu_q, cu_seqlens_q_padded=p.off_q,
+              cu_seqlens_kv_padded=p.off_q.clone(), max_seqlen_q=4, max_seqlen_kv=4)
+    DotProductAttention(4, 8, qkv_format="thd", attn_mask_type="padding_causal")(p.q, p.k, p.v, **kw)
+    assert seen["params"].shared_cu_seqlens and seen["params"].same_lengths and seen["inp"].same_lengths
+    kw["cu_seqlens_kv"] = p.cu_q.clone()  # equal values, another tensor: not known without reading them
+    DotProductAttention(4, 8, qkv_format="thd", attn_mask_type="padding_causal")(p.q, p.k, p.v, **kw)
+    assert not seen["params"].shared_cu_seqlens and not seen["inp"].same_lengths
