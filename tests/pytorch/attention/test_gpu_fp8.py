@@ -135,7 +135,10 @@ def _check_states(state, emu, backward_fp8: bool):
         return
     b, eb = state.bwd.amax_history, emu.bwd.amax_history
     assert torch.equal(b[:, DO], eb[:, DO])
-    torch.testing.assert_close(b[:, DQKV], eb[:, DQKV], rtol=0.05, atol=0)
+    # cuDNN's backward quantizes the softmax it recomputes from the stats (normalized); the
+    # emulation differentiates through the forward's row-relative S: the largest gradient moves
+    # by up to ~6% (5.6% on the H200 at dc4c5e6) while the gradients stay within 0.008 of the range.
+    torch.testing.assert_close(b[:, DQKV], eb[:, DQKV], rtol=0.08, atol=0)
     filled = eb[:, DP] > 0  # history rows a step wrote (row 0 is cleared by the update)
     assert torch.equal(b[:, DP] > 0, filled)
     ratio = (b[filled, DP] / eb[filled, DP]).tolist()
