@@ -69,7 +69,7 @@ UNFUSED_THD_GATHER = Switch("NVTE_UNFUSED_THD_GATHER")  # "1": the gathered THD 
 CP_HOST_STAGING = Switch("NVTE_CP_HOST_STAGING")  # "1": CP transfers staged through the host
 # "1": where the policy sizes are known, each policy's kernel call gets only its own sequences
 # (varlen.py). Off by default: on the H200 it gained at most ~7% replayed from a CUDA graph and
-# cost up to ~0.3 ms of eager host time (benchmarks/results/2026-12-03-h200/mixed_2dc2a39.md).
+# cost up to ~0.3 ms of eager host time (benchmarks/results/2026-12-03-h200/ at 2f8a113 in git history: mixed_2dc2a39.md).
 THD_POLICY_COMPACT = Switch("NVTE_THD_POLICY_COMPACT")
 # FP8 attention (TE's names). "1": the unfused backend emulates the FP8 kernels (any device).
 FP8_EMULATE = Switch("NVTE_UnfusedDPA_Emulate_FP8")

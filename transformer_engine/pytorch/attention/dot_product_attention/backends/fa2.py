@@ -49,7 +49,7 @@ class FlashAttentionV2(FlashAttention):
 def _fa2_alibi(inp: AttentionInputs):
     if inp.bias_type != "alibi":
         return None
-    from .unfused_math import default_alibi_slopes
+    from .unfused_terms import default_alibi_slopes
 
     slopes = inp.alibi_slopes if inp.alibi_slopes is not None else default_alibi_slopes(inp.q.shape[-2])
     return slopes.to(device=inp.q.device, dtype=torch.float32)

@@ -237,7 +237,7 @@ class FlashAttentionV4(FlashAttention):
             return [Reason("softmax_type", repr(params.softmax_type),
                            "vanilla with head dim 256 on sm10x when gradients are needed (FA4's dedicated hd256 backward has no sink)")]
         if cc is not None and cc[0] == 9 and params.requires_grad and dims[0] != dims[1]:
-            # Probed on the H200 (benchmarks/results/2026-12-03-h200/probe_fa4.log): the forward
+            # Probed on the H200 (benchmarks/results/2026-12-03-h200/ at 2f8a113 in git history: probe_fa4.log): the forward
             # runs, the backward refuses (GQA) or exceeds shared memory at launch.
             return [Reason("head_dim_v", f"{dims[1]} != head_dim_qk={dims[0]} with gradients",
                            "head_dim_v == head_dim_qk for the backward on sm9x (the forward alone runs either)")]

@@ -44,31 +44,22 @@ than the tensor holding it), so a huge declared max_seqlen with few tokens stays
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
-from typing import Callable, NamedTuple, Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from ..environment import UNFUSED_MAX_SCORES, UNFUSED_THD_GATHER, compiling
-from ..masks import UNBOUNDED, band_allowed
+from ..masks import UNBOUNDED
 from ..prepare.inputs import AttentionInputs
 from ..prepare.packed_seqs import PackedSeqs
 from .unfused_probs import probabilities
+from .unfused_terms import AlibiTerm, add_bias, alibi_bias, band, group_heads, max_logit as scores_max_logit, rows_of
 
-IntOrTensor = Union[int, torch.Tensor]
 # [B, H, R, SKV] probabilities -> the same shape; see the module docstring.
 ProbsHook = Callable[[torch.Tensor], torch.Tensor]
-
-
-class AlibiTerm(NamedTuple):
-    """ALiBi's bias ``-slopes * distance`` for one chunk, kept factored so that no per-head
-    [B, H, R, SKV] bias tensor is built: slopes [B'|1, H, 1, 1], distance [B'|1, 1, R, SKV]."""
-
-    slopes: torch.Tensor
-    distance: torch.Tensor
 
 
 # (first query row, end row) -> (allowed [B'|1, H'|1, rows, SKV] bool or None, bias or None)
@@ -148,17 +139,6 @@ def max_scores_per_chunk() -> int:
     return value
 
 
-def default_alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
-    """The standard geometric ALiBi slopes (float32, [H]), extended for non-power-of-2 H.
-    Computed on ``device`` from host constants: a tensor made from a Python list and moved to
-    CUDA would be a blocking copy (a sync, and a break in CUDA-graph capture)."""
-    closest = 2 ** math.floor(math.log2(num_heads))
-    i = torch.arange(num_heads, dtype=torch.float64, device=device)
-    base = torch.exp2(-8.0 * (i + 1) / closest)
-    extra = torch.exp2(-4.0 * (2 * (i - closest) + 1) / closest)  # heads past the power of two
-    return torch.where(i < closest, base, extra).float()
-
-
 def _core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: _ChunkCall, masks: RowMasks
           ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """q [B, H, SQ, D], k/v [B, HG, SKV, D] -> (out [B, H, SQ, Dv], max logit [H] or None).
@@ -223,16 +203,16 @@ def _attend(q, k, v, call: _ChunkCall, masks: RowMasks, r0: int):
     kf, vf = k.to(dtype).unsqueeze(2), v.to(dtype).unsqueeze(2)
     scores = qf @ kf.transpose(-1, -2)  # [B, HG, G, R, SKV]
     if inp.bias_type == "pre_scale_bias":
-        _add_bias(scores, bias, hg, dtype).mul_(inp.softmax_scale)
+        add_bias(scores, bias, hg, dtype).mul_(inp.softmax_scale)
     else:
-        _add_bias(scores.mul_(inp.softmax_scale), bias, hg, dtype)
+        add_bias(scores.mul_(inp.softmax_scale), bias, hg, dtype)
     row_ok = None
     if allowed is not None:
-        allowed = _group_heads(allowed, hg)
+        allowed = group_heads(allowed, hg)
         scores.masked_fill_(allowed.logical_not(), torch.finfo(dtype).min)
         row_ok = allowed.any(dim=-1, keepdim=True)
     # TE's max logit: scaled, biased, masked scores, before the sink joins; no gradient.
-    max_logit = _max_logit(scores.detach(), h) if inp.return_max_logit else None
+    max_logit = scores_max_logit(scores.detach(), h) if inp.return_max_logit else None
     sink = None if call.sink is None else call.sink.to(dtype).view(1, hg, h // hg, 1, 1)
     if call.scores_hook is not None and scores.requires_grad:
         scores = call.scores_hook(scores)
@@ -243,64 +223,6 @@ def _attend(q, k, v, call: _ChunkCall, masks: RowMasks, r0: int):
         probs = call.probs_hook(probs.reshape(b, h, rows, skv)).reshape(b, hg, h // hg, rows, skv)
     out = probs @ vf
     return out.reshape(b, h, rows, v.shape[-1]).to(q.dtype), max_logit
-
-
-def _add_bias(scores: torch.Tensor, bias, hg: int, dtype: torch.dtype) -> torch.Tensor:
-    """scores [B, HG, G, R, SKV] += bias, in place; bias is a tensor [B'|1, H'|1, R, SKV] or an
-    :class:`AlibiTerm`."""
-    if bias is None:
-        return scores
-    if isinstance(bias, AlibiTerm):
-        return scores.addcmul_(_group_heads(bias.slopes, hg), _group_heads(bias.distance, hg), value=-1.0)
-    return scores.add_(_group_heads(bias.to(dtype), hg))
-
-
-def _max_logit(scores: torch.Tensor, h: int) -> torch.Tensor:
-    """[B, HG, G, R, SKV] -> [H]; the dtype's lowest value where nothing was scored (no keys),
-    as for a fully masked head."""
-    if scores.numel() == 0:
-        return torch.full((h,), torch.finfo(scores.dtype).min, dtype=scores.dtype, device=scores.device)
-    return scores.amax(dim=(0, 3, 4)).reshape(h)
-
-
-def _group_heads(t: torch.Tensor, hg: int) -> torch.Tensor:
-    """[B', H'|1, SQ, SKV] -> [B', HG, G|1, SQ, SKV] to line up with grouped query heads."""
-    if t.shape[1] == 1:
-        return t.unsqueeze(1)
-    return t.reshape(t.shape[0], hg, t.shape[1] // hg, *t.shape[2:])
-
-
-def _band(
-    spec_left: IntOrTensor, spec_right: IntOrTensor, shift: IntOrTensor, r0: int, r1: int, skv: int, device
-) -> torch.Tensor:
-    """[.., R, SKV] bool for query rows [r0, r1) from per-batch (or scalar) band bounds shaped
-    [B, 1, 1, 1]."""
-    qi = torch.arange(r0, r1, device=device).view(r1 - r0, 1)
-    kj = torch.arange(skv, device=device).view(1, skv)
-    return band_allowed(qi, kj, shift, spec_left, spec_right)
-
-
-def _alibi_bias(slopes: Optional[torch.Tensor], h: int, r0: int, r1: int, skv: int, shift: IntOrTensor,
-                dtype: torch.dtype, device) -> AlibiTerm:
-    """-slope * |j - i - shift| for query rows [r0, r1). As in TE, ALiBi follows the mask's
-    diagonal: ``shift`` is skv - sq (per sequence, [B, 1, 1, 1]) for bottom-right masks and 0
-    for the top-left ones (causal, padding_causal). Positions are exact in float32 up to 2**24."""
-    if slopes is None:
-        slopes = default_alibi_slopes(h, device)
-    slopes = slopes.to(device=device, dtype=dtype)
-    slopes = slopes.view(-1, h, 1, 1) if slopes.dim() == 2 else slopes.view(1, h, 1, 1)
-    qi = torch.arange(r0, r1, device=device, dtype=dtype).view(r1 - r0, 1)
-    kj = torch.arange(skv, device=device, dtype=dtype).view(1, skv)
-    diag = qi + (shift.to(dtype) if isinstance(shift, torch.Tensor) else shift)
-    distance = (kj - diag).abs_()
-    return AlibiTerm(slopes, distance.view(1, 1, r1 - r0, skv) if distance.dim() == 2 else distance)
-
-
-def _rows_of(t: Optional[torch.Tensor], r0: int, r1: int) -> Optional[torch.Tensor]:
-    """Rows [r0, r1) of a [.., SQ|1, SKV] tensor (a broadcast row dim stays as it is)."""
-    if t is None or t.shape[-2] == 1:
-        return t
-    return t[..., r0:r1, :]
 
 
 # ---------------------------------------------------------------------------- dense (bshd)
@@ -318,15 +240,15 @@ def _dense(call: _ChunkCall):
     def masks(r0: int, r1: int):
         allowed = None
         if inp.mask.has_band:
-            allowed = _band(inp.mask.left, inp.mask.right, band_shift, r0, r1, skv, q.device)
+            allowed = band(inp.mask.left, inp.mask.right, band_shift, r0, r1, skv, q.device)
         allowed = _and(allowed, None if inp.kv_valid is None else inp.kv_valid[:, None, None, :])
         allowed = _and(allowed, None if inp.q_valid is None else inp.q_valid[:, None, r0:r1, None])
-        allowed = _and(allowed, None if inp.arbitrary_mask is None else ~_rows_of(inp.arbitrary_mask, r0, r1))
+        allowed = _and(allowed, None if inp.arbitrary_mask is None else ~rows_of(inp.arbitrary_mask, r0, r1))
         if allowed is not None and allowed.dim() == 2:
             allowed = allowed.view(1, 1, r1 - r0, skv)
-        bias = _rows_of(inp.bias, r0, r1)
+        bias = rows_of(inp.bias, r0, r1)
         if inp.bias_type == "alibi":
-            bias = _alibi_bias(inp.alibi_slopes, h, r0, r1, skv, band_shift, call.dtype, q.device)
+            bias = alibi_bias(inp.alibi_slopes, h, r0, r1, skv, band_shift, call.dtype, q.device)
         return allowed, bias
 
     out, max_logit = _core(q, k, v, call, masks)
@@ -399,11 +321,11 @@ def _thd_gathered(call: _ChunkCall):
     band_shift = torch.where(br, shift, 0)
 
     def masks(r0: int, r1: int):
-        allowed = _band(left, right, band_shift, r0, r1, skv, q.device)
+        allowed = band(left, right, band_shift, r0, r1, skv, q.device)
         allowed = allowed & q_ok[:, None, r0:r1, None] & kv_ok[:, None, None, :]
         bias = None
         if inp.bias_type == "alibi":
-            bias = _alibi_bias(inp.alibi_slopes, q.shape[1], r0, r1, skv, band_shift, call.dtype, q.device)
+            bias = alibi_bias(inp.alibi_slopes, q.shape[1], r0, r1, skv, band_shift, call.dtype, q.device)
         return allowed, bias
 
     out, max_logit = _core(q, k, v, call, masks)  # [B, H, SQ, Dv]
@@ -490,8 +412,8 @@ def _sequence_masks(call: _ChunkCall, i: int, left: int, right: int, shift: int,
     diag_shift = shift if bottom_right else 0
 
     def masks(r0: int, r1: int):
-        allowed = _band(left, right, diag_shift, r0, r1, m, device).view(1, 1, r1 - r0, m)
-        bias = _alibi_bias(slopes, h, r0, r1, m, diag_shift, call.dtype, device) if inp.bias_type == "alibi" else None
+        allowed = band(left, right, diag_shift, r0, r1, m, device).view(1, 1, r1 - r0, m)
+        bias = alibi_bias(slopes, h, r0, r1, m, diag_shift, call.dtype, device) if inp.bias_type == "alibi" else None
         return allowed, bias
 
     return masks

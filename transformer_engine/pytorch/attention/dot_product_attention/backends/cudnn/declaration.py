@@ -58,7 +58,7 @@ class FusedAttention(BackendSupport):
         if cc is not None and cc[0] == 8 and max(params.head_dim_qk, params.head_dim_v) > 128:
             out.append(Reason("head_dim_qk", str(params.head_dim_qk), "<= 128 on sm8x"))
         if params.qkv_format == "thd" and params.head_dim_qk == 256 and params.head_dim_v != 256:
-            # Probed on the H200 (benchmarks/results/2026-12-03-h200/probe_cudnn.log): non-finite
+            # Probed on the H200 (benchmarks/results/2026-12-03-h200/ at 2f8a113 in git history: probe_cudnn.log): non-finite
             # results for THD at (256, 128); dense layouts and every other pair probed are fine.
             out.append(Reason("head_dim_v", f"{params.head_dim_v} with head_dim_qk=256 in thd", "256 with head_dim_qk=256 in thd"))
         return (out + _bottom_right_reasons(params) + _probed_backward_reasons(params) + bias_thd_reasons(params)
@@ -136,7 +136,7 @@ def _bottom_right_reasons(params) -> List[Reason]:
 
 def _probed_backward_reasons(params) -> List[Reason]:
     """Backward configurations cuDNN (9.19, frontend 1.32) runs without an error but gets wrong,
-    found by TE's configuration matrix on the H200 (benchmarks/results/2026-12-03-h200/
+    found by TE's configuration matrix on the H200 (benchmarks/results/2026-12-03-h200/ at 2f8a113 in git history:
     te_matrix.log); the forward of each is right, so they are refused only with gradients."""
     if not params.requires_grad:
         return []

@@ -3,7 +3,7 @@ one place a kernel problem and its score features become cuDNN op arguments.
 
 The cuDNN ops write into caller-provided buffers (``out``; ``dq``/``dk``/``dv``) and leave every
 row they do not run untouched: gaps, the tail, and the rows of sequences run with length 0
-(probed with NaN-filled buffers on the H200: benchmarks/results/2026-12-03-h200/s4/). So, as
+(probed with NaN-filled buffers on the H200: benchmarks/results/2026-12-03-h200/ at 2f8a113 in git history: s4/). So, as
 with FA4, the calls for several mask policies share one set of buffers and the caller zeroes
 only the rows no sequence owns. THD runs through ragged offsets.
 """
@@ -28,7 +28,7 @@ class _CudnnKernel:
     ``zero_gap_rows``, where the problem names them (context parallelism zeroes its uncovered
     rows itself). No memset per run and no combining pass: each cost a launch and a pass over
     the whole tensor per policy (earlier combines: a ``where`` over row owners, then a sum of
-    zero-filled per-run buffers; benchmarks/results/2026-12-03-h200/s3/README.md).
+    zero-filled per-run buffers; benchmarks/results/2026-12-03-h200/ at 2f8a113 in git history: s3/README.md).
 
     With ``features.max_logit`` (a float32 [H] buffer) each run also reports its max logit,
     and the buffer ends as the max over the runs."""
@@ -110,7 +110,7 @@ def _runs_cover_every_row(problem: KernelProblem) -> bool:
     """Whether every row a run does not write is a row no sequence owns, zeroed afterwards.
 
     cuDNN leaves a query row that sees no key unwritten in the output (it writes dQ, dK and dV
-    as zeros where a side is empty; benchmarks/results/2026-12-03-h200/s4/), so that holds where
+    as zeros where a side is empty; benchmarks/results/2026-12-03-h200/ at 2f8a113 in git history: s4/), so that holds where
     each row sees a key: packed rows of the module's problems (``rows_q``/``rows_kv``, zeroed by
     ``zero_gap_rows``) whose runs share one lengths tensor for queries and keys (sq == skv per
     sequence, each row sees its own diagonal), and dense problems without valid lengths and
