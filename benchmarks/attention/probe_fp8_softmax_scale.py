@@ -7,13 +7,16 @@ would set it), against two float64 models of the same FP8 pipeline (the same E4M
 same O scale): ``normalized`` quantizes softmax(QK^T) with the S scale, ``unnormalized``
 quantizes P / rowmax(P) (= exp(s - rowmax), <= 1) and multiplies the row max back. The model
 that matches cuDNN to ~1e-3 of the output range is the kernel's quantization point; the
-distance to the float64 result says what each S scale costs.
+distance to the float64 result says what each S scale costs. The package caps the S scale it
+hands cuDNN at fp8_max (``fp8.quantize.kernel_s_scale``); the row marked "uncapped" lifts the
+cap, as TE passes the recipe's scale, to show what the cap avoids.
 
   python benchmarks/attention/probe_fp8_softmax_scale.py > probe_fp8_softmax_scale.log
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -46,6 +49,20 @@ def model(q, k, v, causal, s_scale, o_scale, where):
     return o if o_scale is None else q8(o, o_scale)
 
 
+@contextlib.contextmanager
+def _cap(on: bool):
+    """The package's cap on the S scale (on), or the recipe's scale handed to cuDNN as is (off)."""
+    from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import fp8 as cudnn_fp8
+
+    capped = cudnn_fp8.kernel_s_scale
+    if not on:
+        cudnn_fp8.kernel_s_scale = lambda quantizer: quantizer.scale
+    try:
+        yield
+    finally:
+        cudnn_fp8.kernel_s_scale = capped
+
+
 def rel(a, b):
     return ((a - b).pow(2).mean().sqrt() / (b.max() - b.min())).item()
 
@@ -65,18 +82,22 @@ def main():
         amax_s = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", qd, kd) / math.sqrt(D)
                                + (torch.full((S, S), float("-inf"), device="cuda", dtype=torch.float64).triu(1) if causal else 0), -1).amax()
         o_scale = FP8_MAX / same_inputs.abs().amax().float()
-        for name, s_scale in (("1", 1.0), ("fp8_max", FP8_MAX), ("fp8_max/amax_s", (FP8_MAX / amax_s).item())):
+        uncapped = (FP8_MAX / amax_s).item()
+        for name, s_scale, cap in (("1", 1.0, True), ("fp8_max", FP8_MAX, True), ("fp8_max/amax_s, capped", uncapped, True),
+                                   ("fp8_max/amax_s, uncapped", uncapped, False)):
+            kernel_scale = s_scale if not cap else min(s_scale, FP8_MAX)  # what cuDNN quantizes with
             dpa = te.DotProductAttention(H, D, qkv_format="bshd", attn_mask_type=mask)
             with backend_scope(allow=["cudnn"]), te.autocast(recipe=recipe.DelayedScaling(fp8_dpa=True, amax_history_len=1)):
                 dpa(q, k, v)  # creates the state
             state = dpa._fp8_state
-            with backend_scope(allow=["cudnn"]), te.autocast(recipe=recipe.DelayedScaling(fp8_dpa=True, amax_history_len=1)):
+            with backend_scope(allow=["cudnn"]), te.autocast(recipe=recipe.DelayedScaling(fp8_dpa=True, amax_history_len=1)), \
+                    _cap(cap):
                 state.fwd.scale[SLOT_QKV], state.fwd.scale[SLOT_S], state.fwd.scale[SLOT_O] = qkv_scale, s_scale, o_scale
                 state.fwd.amax_history.zero_()
                 out = dpa(q, k, v).view(B, S, H, D).double()
                 got_amax_s = state.fwd.amax_history[0, SLOT_S].item()
-            norm = model(qd, kd, vd, causal, s_scale, o_scale, "normalized")
-            unnorm = model(qd, kd, vd, causal, s_scale, o_scale, "unnormalized")
+            norm = model(qd, kd, vd, causal, kernel_scale, o_scale, "normalized")
+            unnorm = model(qd, kd, vd, causal, kernel_scale, o_scale, "unnormalized")
             print(f"| {mask} | {name} = {s_scale:.4g} | {got_amax_s:.4g} | {rel(out, norm):.2e} | {rel(out, unnorm):.2e} | "
                   f"{rel(out, exact):.2e} | {rel(norm, exact):.2e} | {rel(unnorm, exact):.2e} |")
 

@@ -555,12 +555,22 @@ def test_missing_cu_seqlens_q_with_policies_is_named(policy):
         dpa(q, q, q, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5, **kw)
 
 
-def test_packed_sides_are_traceable_by_dynamo():
+def test_packed_sides_use_the_dataclass_init_under_compile(monkeypatch):
     """The per-call PackedSeqs skip the frozen dataclass's __init__ in eager calls (a dict fill
-    that torch 2.11's dynamo cannot trace: compile fullgraph broke on the H200); under
-    torch.compile they are built with it."""
-    from transformer_engine.pytorch.attention.dot_product_attention.prepare.packed_seqs import packed_side
+    that torch 2.11's dynamo cannot trace: compile fullgraph broke on the H200); while compiling
+    they are built with it (torch 2.13's dynamo traces either, so the switch is checked directly),
+    and a compiled call still sees the right fields."""
+    from transformer_engine.pytorch.attention.dot_product_attention.prepare import packed_seqs
 
+    built = []
+    init = packed_seqs.PackedSeqs.__init__
+    monkeypatch.setattr(packed_seqs.PackedSeqs, "__init__", lambda self, *a, **k: built.append(a) or init(self, *a, **k))
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
-    side = torch.compile(lambda c: packed_side(c, c, 5, 8, True).offsets + 1, fullgraph=True, backend="eager")(cu)
+    eager = packed_seqs.packed_side(cu, cu, 5, 8, True)
+    assert built == [] and eager.max_seqlen == 5 and eager.bounded
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    compiled = packed_seqs.packed_side(cu, cu, 5, 8, True)
+    assert len(built) == 1 and compiled.offsets is cu and compiled.total_tokens == 8 and compiled.bounded
+    monkeypatch.undo()
+    side = torch.compile(lambda c: packed_seqs.packed_side(c, c, 5, 8, True).offsets + 1, fullgraph=True, backend="eager")(cu)
     assert torch.equal(side, cu + 1)

@@ -192,9 +192,10 @@ def test_head_dim_64(fmt):
     128 only); NVTE_FP8_DPA_BWD=0 trains with the FP8 forward and the BF16 backward."""
     dpa = te.DotProductAttention(H, 64, num_gqa_groups=2, qkv_format=fmt, attn_mask_type="causal")
     qkv, dout = _inputs(5, fmt, 2, 64)
-    with te.autocast(recipe=_recipe()), backend_scope(allow=["FusedAttention"]):
-        with pytest.raises(NotImplementedError, match="head_dim_qk=64 with FP8 gradients on sm90"):
-            dpa(*qkv)
+    if torch.cuda.get_device_capability()[0] == 9:  # Blackwell's FP8 backward takes d=64
+        with te.autocast(recipe=_recipe()), backend_scope(allow=["FusedAttention"]):
+            with pytest.raises(NotImplementedError, match="head_dim_qk=64 with FP8 gradients on sm90"):
+                dpa(*qkv)
     with te.autocast(recipe=_recipe()), torch.no_grad():
         out = run_on("FusedAttention", dpa, *qkv)
     ref, _ = _reference(qkv, dout, fmt, "causal", 64)

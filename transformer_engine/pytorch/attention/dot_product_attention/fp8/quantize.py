@@ -25,10 +25,14 @@ import torch
 from .state import FP32_MAX
 
 
+def scaled_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, fp8_max: float) -> torch.Tensor:
+    """``x`` cast to FP8 with ``scale``, saturating as TE's casts: the bytes the kernels read."""
+    return (x.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
+
+
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, fp8_max: float) -> torch.Tensor:
-    """``x`` cast to FP8 with ``scale`` (saturating, as TE's casts) and back, in float32."""
-    scaled = (x.float() * scale).clamp(-fp8_max, fp8_max)
-    return scaled.to(dtype).float() * torch.reciprocal(scale)
+    """``x`` cast to FP8 with ``scale`` (:func:`scaled_cast`) and back, in float32."""
+    return scaled_cast(x, scale, dtype, fp8_max).float() * torch.reciprocal(scale)
 
 
 def current_scale(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:

@@ -22,14 +22,15 @@ from typing import Optional
 
 import torch
 
+from ...fp8.quantize import amax_of, scaled_cast
+
 BLOCK = 2048
 MAX_PROGRAMS = 1024  # programs stride over the rest: at most this many atomics on one amax
 
 
-def fp8_like(t: torch.Tensor, dtype: torch.dtype, zeros: bool = False) -> torch.Tensor:
+def fp8_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An FP8 tensor with ``t``'s shape AND strides (a dense permuted layout stays dense)."""
-    out = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)
-    return out.zero_() if zeros else out
+    return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)
 
 
 def view_like(buf: torch.Tensor, base: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -43,12 +44,11 @@ def dequantize(x8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> t
     return (x8.float() * descale).to(dtype)
 
 
-def cast_fp8(x: torch.Tensor, q, valid: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x`` in ``q.dtype`` (see the module docstring), written into ``out`` (default: a new
-    tensor with ``x``'s strides). ``valid`` ([x.shape[0]] bool): the rows that count (a THD
-    tensor's owned rows); the others set no amax and are written as 0."""
-    if out is None:
-        out = fp8_like(x, q.dtype)
+def cast_fp8(x: torch.Tensor, q, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x`` in ``q.dtype`` (see the module docstring), a new tensor with ``x``'s strides.
+    ``valid`` ([x.shape[0]] bool): the rows that count (a THD tensor's owned rows); the others
+    set no amax and are written as 0."""
+    out = fp8_like(x, q.dtype)
     if x.numel() == 0:
         return out
     if _triton_fits(x, out, valid):
@@ -60,10 +60,10 @@ def cast_fp8(x: torch.Tensor, q, valid: Optional[torch.Tensor] = None, out: Opti
 
 def _cast_torch(x: torch.Tensor, out: torch.Tensor, q, valid: Optional[torch.Tensor]) -> None:
     xf = x.detach().float()
-    if valid is not None:
+    if valid is not None:  # rows no sequence owns: no amax, written as 0
         xf = torch.where(valid.view(-1, *([1] * (x.dim() - 1))), xf, torch.zeros((), device=x.device))
-    q.amax_buffer[q.slot] = torch.maximum(q.amax_buffer[q.slot], xf.abs().amax())
-    out.copy_((xf * q.scale).clamp(-q.fp8_max, q.fp8_max).to(q.dtype))
+    q.amax_buffer[q.slot] = torch.maximum(q.amax_buffer[q.slot], amax_of((xf,), (None,)))
+    out.copy_(scaled_cast(xf, q.scale, q.dtype, q.fp8_max))
 
 
 def _flat_dense(t: torch.Tensor) -> bool:
