@@ -1,16 +1,20 @@
 """The KV-cache schedules the CPU and GPU tests share: a configuration strategy (hypothesis), a
 schedule of sequences joining, growing and finishing (:class:`Simulation`, driven by a
 :class:`Picker`), how a step's tokens are packed (padding NaN), the float64 oracle that recomputes
-each sequence over its whole history without a cache, and a guard against host reads."""
+each sequence over its whole history without a cache, a guard against host reads, and the
+generation example (``examples/generate.py``) loaded as a module."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import math
 import random
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -229,3 +233,13 @@ def no_host_reads():
     finally:
         for name, fn in saved.items():
             setattr(torch.Tensor, name, fn)
+
+
+def load_example():
+    """``examples/generate.py`` as a module (the examples are not a package)."""
+    path = Path(__file__).resolve().parents[3] / "examples" / "generate.py"
+    spec = importlib.util.spec_from_file_location("generate_example", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module

@@ -21,11 +21,8 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import random
-import sys
 from collections import OrderedDict
-from pathlib import Path
 
 import pytest
 import torch
@@ -35,19 +32,19 @@ from transformer_engine.pytorch.attention import backend_scope
 from transformer_engine.pytorch.attention.inference import InferenceParams, attention_over_cache
 
 from .gpu_helpers import run_on, sync_errors
-from .kv_schedules import LAYERS, Config, Packing, Picker, Simulation, check_output, pack, round_history
+from .kv_schedules import LAYERS, Config, Packing, Picker, Simulation, check_output, load_example, pack, round_history
 from .test_kv_cache import run_step
 
 pytestmark = pytest.mark.gpu
-ROOT = Path(__file__).resolve().parents[3]
 TOL = 2e-2  # bf16 outputs of values below ~3 against the float64 oracle over the same bf16 inputs
 FA4, CUDNN = "FlashAttention v4", "FusedAttention"
-# (backend, page size): FA4 takes pages of 16 and up (and a 128-token page through TMA), cuDNN 64 and up.
-PAGED = [(FA4, 16), (FA4, 128), (CUDNN, 64), (CUDNN, 256)]
+# (backend, page size): FA4 takes any multiple of 16 (48: one that is not a power of two, and a
+# 128-token page through TMA), cuDNN multiples of 64.
+PAGED = [(FA4, 16), (FA4, 48), (FA4, 128), (CUDNN, 64), (CUDNN, 256)]
 
 
 def gpu_config(fmt: str, paged: bool, page_size: int, mask: str = "padding_causal", window=None) -> Config:
-    max_seqlen = 4 * max(page_size, 64)
+    max_seqlen = page_size * -(-4 * max(page_size, 64) // page_size)  # at least 4 * 64 tokens, whole pages
     return Config(fmt=fmt, paged=paged, page_size=page_size, max_seqlen=max_seqlen, max_batch=4,
                   total_pages=4 * max_seqlen // page_size if paged else None, hkv=2, group=4, d=128, dv=128, max_ctx=40,
                   mask=mask, window=window, device="cuda")
@@ -119,19 +116,11 @@ def test_the_unfused_cache_path_keeps_its_precision_inside_autocast():
 # ------------------------------------------------------------------ CUDA graphs: the example's decode loop
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("generate_example", ROOT / "examples" / "generate.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("label,paged,page_size", [(FA4, True, 16), (CUDNN, True, 64), (FA4, False, 64), (CUDNN, False, 64)])
 def test_decode_steps_replay_from_a_cuda_graph_as_sequences_finish_and_join(label, paged, page_size):
     """Three MultiheadAttention layers (rotary, GQA 4:2); 26 requests through 4 rows: about 300
     steps, the decode-only ones (all but the ~26 where sequences join) replayed from one graph."""
-    gen = _example()
+    gen = load_example()
     s = gen.Settings(vocab=512, hidden=256, heads=4, gqa=2, layers=3, batch=4, requests=26, prompt=16, new_tokens=64,
                      paged=paged, page_size=page_size, cuda_graph=True, device="cuda", dtype=torch.bfloat16, seed=1)
     torch.manual_seed(s.seed)

@@ -8,8 +8,8 @@ sequence's attention from scratch over its whole history in float64, with no cac
 (``reference.py``); the cache's contents must equal the history exactly (copies), the attention
 within 1e-12 (other reduction orders), and every output row no sequence owns exactly 0. The
 metadata an attention kernel would take (THD view, padded offsets, page table) is checked by
-running the packed reference over it. Bad input gets a named error; GPU tests (sync-free append,
-CUDA-graph replay across joins and finishes) skip without CUDA.
+running the packed reference over it. Bad input gets a named error. The GPU side (sync-free
+append, CUDA-graph replay across joins and finishes) is in test_gpu_kv_cache.py.
 """
 
 from __future__ import annotations
@@ -401,6 +401,19 @@ def test_custom_manager_gets_te_arguments_and_is_driven_by_the_params():
     params = _small(paged=False, custom_cache_manager=ForgetfulManager)
     with pytest.raises(ValueError, match=r"^cache_manager.pre_step must return the step's sequences .*got \{\} for step_dict \{4: 2\}"):
         params.pre_step(OrderedDict([(4, 2)]))
+
+
+def test_a_paged_custom_manager_needs_a_page_table():
+    with pytest.raises(TypeError, match=r"^custom_cache_manager _PagedTeStyle has no attribute page_table; is_paged=True needs it"):
+        InferenceParams(2, 4, num_heads_kv=1, head_dim_k=2, dtype=torch.float64, is_paged=True, page_size=2, total_num_pages=4,
+                        custom_cache_manager=_PagedTeStyle, device="cpu")
+
+
+class _PagedTeStyle(TeStyleManager):
+    """TE's paged constructor signature, the non-paged cache inside and no ``page_table``."""
+
+    def __init__(self, total_num_pages, page_size, num_heads, head_dim_k, dtype, max_batch_size, max_seqlen, head_dim_v=None):
+        super().__init__(max_batch_size, max_seqlen, num_heads, head_dim_k, dtype, head_dim_v)
 
 
 def test_the_base_manager_names_what_a_custom_one_must_implement():

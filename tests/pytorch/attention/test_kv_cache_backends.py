@@ -181,7 +181,10 @@ def test_unowned_rows_are_zeroed_unless_every_row_holds_a_token(fa4_lib, monkeyp
             return dpa(q, k, v, inference_params=params).view(batch, width, cfg.heads, cfg.d)
 
     step([(0, 3), (1, 3)], 2, 3)
-    assert zeroed == [] and params.step(1, *(torch.zeros(2, 3, cfg.hkv, cfg.d, dtype=torch.float64),) * 2, "bshd").rows_all_valid
+    probe = cfg.params()  # the same step's record, from params of its own (a step appends: this layer's K/V stay as they are)
+    probe.allocate_memory(1)
+    probe.pre_step(OrderedDict([(0, 3), (1, 3)]))
+    assert zeroed == [] and probe.step(1, *(torch.zeros(2, 3, cfg.hkv, cfg.d, dtype=torch.float64),) * 2, "bshd").rows_all_valid
     out = step([(0, 1), (1, 1)], 3, 2)  # a third batch row and a second position: padding
     assert zeroed == [(6, cfg.heads, cfg.d)] and torch.count_nonzero(out[2]) == 0 and torch.count_nonzero(out[:, 1]) == 0
 
@@ -219,7 +222,10 @@ def test_cudnn_paged_graph_reads_the_pools_through_strides(cudnn_lib, fmt, mask,
                                        else "diagonal_alignment.TOP_LEFT")
     assert a.get("diagonal_band_right_bound") == (0 if mask == "padding_causal" else None)
     assert a.get("diagonal_band_left_bound") == (3 if window else None)
-    assert params.cache_manager.page_table.data_ptr() != 0
+    _, pack_ = cudnn_lib.of("fwd")[-1]
+    for side in ("k", "v"):  # the manager's own table, viewed as cuDNN's [B, 1, pages, 1], not a copy
+        bound = pack_[a[f"paged_attention_{side}_table"].uid]
+        assert bound.data_ptr() == params.cache_manager.page_table.data_ptr() and bound.shape[1:] == (1, pages, 1)
 
 
 @pytest.mark.parametrize("fmt", ["bshd", "thd"])

@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
-import importlib.util
 import warnings
 from collections import OrderedDict
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,12 +28,14 @@ import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.pytorch import DotProductAttention, InferenceParams, MultiheadAttention
 from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa_module
+from transformer_engine.pytorch.attention.dot_product_attention.cp.comm import CPComm
+from transformer_engine.pytorch.attention.inference import params as params_module
 from transformer_engine.pytorch.attention.dot_product_attention.selection.backend_selection import NoBackendError
 
 from .gpu_helpers import env
-from .kv_schedules import LAYERS, Config, Packing, Picker, Simulation, check_output, configs, no_host_reads, pack, poison, starts
+from .kv_schedules import (LAYERS, Config, Packing, Picker, Simulation, check_output, configs, load_example, no_host_reads, pack,
+                           poison, starts)
 
-ROOT = Path(__file__).resolve().parents[3]
 DECOYS = dict(cu_seqlens_q=torch.tensor([0, 7], dtype=torch.int32), cu_seqlens_kv=torch.tensor([0, 1], dtype=torch.int32),
               max_seqlen_q=1, max_seqlen_kv=1)  # TE's callers pass these; the cache's lengths replace them
 
@@ -152,6 +151,27 @@ def test_mha_over_the_cache_matches_recomputation(fmt, paged, hkv, group, data):
     assert sorted(params.cache_manager.cache) == list(LAYERS)  # each layer made its cache on first use
 
 
+def test_a_step_computes_its_token_positions_once(monkeypatch):
+    """The rotary embeddings and every layer's append read the step's token positions, made
+    once per step (and input shape); the next pre_step makes them again."""
+    made = []
+    real = params_module.token_positions
+    monkeypatch.setattr(params_module, "token_positions", lambda *args: made.append(tuple(args[3])) or real(*args))
+    cfg = Config(fmt="bshd", paged=True, page_size=2, max_seqlen=8, max_batch=2, total_pages=8, hkv=1, group=2, d=4, dv=4,
+                 max_ctx=4, mask="padding_causal", window=None)
+    params, sim = cfg.params(), HiddenSim(cfg, seed=0, hidden=cfg.heads * cfg.d)
+    layers = [mha_pair(cfg, layer, "bshd")[0] for layer in LAYERS]
+    rope = torch.randn(cfg.max_seqlen, 1, 1, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    for step_dict in (OrderedDict([(0, 3), (1, 2)]), OrderedDict([(0, 1), (1, 1)])):
+        params.pre_step(step_dict)
+        sim.apply(step_dict)
+        x = pack_hidden(cfg, step_dict, [sim.history[s][-n:] for s, n in step_dict.items()], Packing(0, 0, 0))
+        with torch.no_grad():
+            for mha in layers:
+                mha(x, inference_params=params, rotary_pos_emb=rope)
+    assert made == [(2, 3), (2, 1)]
+
+
 def test_mha_refuses_what_a_cache_cannot_serve():
     params = InferenceParams(2, 4, num_heads_kv=2, head_dim_k=4, dtype=torch.float64, device="cpu")
     cross = MultiheadAttention(8, 2, attention_type="cross", params_dtype=torch.float64, device="cpu", qkv_format="bshd")
@@ -228,6 +248,13 @@ def _one_step_call(module=None, q_requires_grad=False, **call):
     return params, lambda: module(q.requires_grad_(q_requires_grad), k, v, inference_params=params, **call)
 
 
+class _TwoRanks(CPComm):
+    """A CP group of two ranks with no transport (a KV call refuses it before communicating)."""
+
+    def __init__(self) -> None:  # no process group behind it
+        self.group, self.size, self.rank, self.backend, self.stream = None, 2, 0, "none", None
+
+
 KV_CALL_ERRORS = [
     ("mask", dict(attn_mask_type="causal"), ValueError,
      r"attn_mask_type must be a padding kind with inference_params \(padding, padding_causal, padding_causal_bottom_right\); "
@@ -243,6 +270,13 @@ KV_CALL_ERRORS = [
      r"FP8 attention \(an FP8 autocast region with fp8_dpa=True\) is not supported with inference_params"),
     ("layer", dict(module=DotProductAttention(2, 4, num_gqa_groups=1, qkv_format="bshd", attn_mask_type="padding_causal")),
      ValueError, r"layer_number is None; KV caching keeps one cache per layer"),
+    ("per-sequence masks", dict(attn_mask_type_per_seq={"padding": torch.zeros(1, dtype=torch.int64)}), NotImplementedError,
+     r"attn_mask_type_per_seq / thd_sequence_is_causal is not supported with inference_params \(KV caching\); accepted: None$"),
+    ("per-sequence causal", dict(thd_sequence_is_causal=torch.ones(1, dtype=torch.bool)), NotImplementedError,
+     r"attn_mask_type_per_seq / thd_sequence_is_causal is not supported with inference_params \(KV caching\); accepted: None$"),
+    ("context parallelism", dict(module=DotProductAttention(2, 4, num_gqa_groups=1, qkv_format="bshd", attn_mask_type="padding_causal",
+                                                            layer_number=1, cp_group=_TwoRanks())), NotImplementedError,
+     r"cp_group is not supported with inference_params \(KV caching\); accepted: no context parallelism \(or a group of one rank\)"),
 ]
 
 
@@ -279,10 +313,13 @@ def test_what_no_backend_runs_over_a_cache_is_refused_by_reason(module_kwargs, n
 
 
 def test_eval_mode_runs_without_dropout():
-    module = DotProductAttention(2, 4, num_gqa_groups=1, qkv_format="bshd", attn_mask_type="padding_causal", layer_number=1,
-                                 attention_dropout=0.1).eval()
-    with torch.no_grad():
-        _one_step_call(module=module)[1]()
+    """attention_dropout set, eval mode: the steps run, each output the float64 oracle's (no dropout)."""
+    cfg, params, sim = _decode_setup()
+    modules = {layer: DotProductAttention(cfg.heads, cfg.d, num_gqa_groups=cfg.hkv, qkv_format="bshd",
+                                          attn_mask_type="padding_causal", layer_number=layer, attention_dropout=0.1).eval()
+               for layer in LAYERS}
+    for step_dict in (OrderedDict([(0, 3), (1, 2)]), OrderedDict([(0, 1), (1, 1)])):
+        _step(cfg, params, sim, modules, step_dict)
 
 
 def test_grad_mode_alone_does_not_refuse():
@@ -309,19 +346,11 @@ def test_in_eval_mode_a_step_runs_as_inference_and_the_cache_keeps_no_graph():
 # --- the example --------------------------------------------------------------------------------
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("generate_example", ROOT / "examples" / "generate.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("paged", ["--paged", "--no-paged"])
 def test_the_generation_example_matches_recomputation(paged, capsys):
     args = ["--layers", "2", "--hidden", "16", "--heads", "2", "--gqa", "1", "--vocab", "11", "--batch", "2",
             "--requests", "3", "--prompt", "4", "--new-tokens", "4", "--page-size", "2", "--device", "cpu"]
-    assert _example().main(args + ([paged] if paged == "--no-paged" else [])) == 0
+    assert load_example().main(args + ([paged] if paged == "--no-paged" else [])) == 0
     printed = capsys.readouterr().out
     assert "match:" in printed and "MISMATCH" not in printed and "backend: UnfusedDotProductAttention" in printed
     assert printed.count("request ") == 3

@@ -10,7 +10,6 @@ import torch
 
 from .dot_product_attention.cp.partition import dense_positions, positions_of_local_rows
 from .dot_product_attention.prepare.packed_seqs import PackedSeqs, prepare_sides, value_checks_on
-from .inference.append import token_positions
 
 
 def rotate_packed(packed: dict, rope, fmt: str, cp: Tuple[int, int], cus, max_seqlens, pad_between) -> dict:
@@ -49,7 +48,7 @@ def rotate_cached_step(packed: dict, rope, fmt: str, inference_params) -> dict:
     q, k, v = split_packed(packed)
     q_freqs, k_freqs = rope if isinstance(rope, tuple) else (rope, rope)
     lead = q.shape[:-2]
-    positions = token_positions(inference_params.cu_seqlens_q, inference_params.cu_seqlens_kv, fmt, lead).pos.view(lead)
+    positions = inference_params.step_positions(fmt, lead).pos.view(lead)  # the append reads them too
     return dict(query_layer=apply_rotary_pos_emb(q, q_freqs, fmt, positions),
                 key_layer=apply_rotary_pos_emb(k, k_freqs, fmt, positions), value_layer=v)
 

@@ -26,7 +26,7 @@ from .prepare.packed_qkv import resolve_qkv
 from .selection.params import AttentionParams, params_key
 from .prepare.call import PackedSides, prepare, selection_params
 from .prepare.inputs import AttentionInputs
-from .prepare.kv_cache import kv_call_key, kv_output, prepare_kv_call, reject_with_kv_cache
+from .prepare.kv_cache import kv_call_key, prepare_kv_call, reject_with_kv_cache
 from .selection.support import SOFTMAX_TYPES
 from .selection.autotune import tuned
 from .selection.backend_selection import BACKENDS_BY_LABEL, chosen_backend_label, require_backend
@@ -263,7 +263,8 @@ class DotProductAttention(torch.nn.Module):
             object.__setattr__(self, "last_selection", recipe.selection)
         with torch.no_grad():  # forward only (selection refused gradients in training mode)
             inp = recipe.inputs(self, inference_params, layers)
-            return _flatten(kv_output(inp, recipe.backend.run_kv_cache(inp)), recipe.qkv_format)
+            out = inp.kv_cache.output_from_thd(recipe.backend.run_kv_cache(inp))  # the step's format (sbhd transposed back)
+            return out.flatten(-2)  # heads flattened
 
     def _dropout_rng(self):
         if self.get_rng_state_tracker is None or self.sequence_parallel or not (self.training and self.attention_dropout > 0):

@@ -13,6 +13,8 @@ from typing import NamedTuple, Sequence, Tuple
 
 import torch
 
+from .checks import batch_and_seq
+
 
 class TokenPositions(NamedTuple):
     """Per token slot of the input, flattened in memory order ([N] each)."""
@@ -42,7 +44,7 @@ def token_positions(cu_new: torch.Tensor, cu_cached: torch.Tensor, qkv_format: s
     if qkv_format == "thd":
         rows, index, valid = thd_token_rows(cu_new, token_shape[0])
     else:
-        b, s = (token_shape[0], token_shape[1]) if qkv_format == "bshd" else (token_shape[1], token_shape[0])
+        b, s = batch_and_seq(token_shape, qkv_format)
         device = cu_new.device
         rows = torch.arange(b, device=device)[:, None].expand(b, s)
         index = torch.arange(s, device=device)[None, :].expand(b, s)

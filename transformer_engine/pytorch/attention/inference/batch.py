@@ -35,11 +35,6 @@ class StepPlan:
     def batch_size(self) -> int:
         return len(self.seq_ids)
 
-    @property
-    def pre_step_lens(self) -> Tuple[int, ...]:
-        """Cached lengths before the step: each sequence's first new token's position."""
-        return tuple(c - s for c, s in zip(self.cached_lens, self.step_lens))
-
     @functools.cached_property
     def moves(self) -> Tuple[Tuple[int, int], ...]:
         """(old row, new row) of the continuing sequences whose batch row changes."""

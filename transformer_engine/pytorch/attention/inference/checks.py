@@ -5,7 +5,7 @@ what it accepts."""
 from __future__ import annotations
 
 import operator
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -17,6 +17,11 @@ def check_qkv_format(qkv_format) -> str:
     if qkv_format not in QKV_FORMATS:
         raise ValueError(f"qkv_format must be one of {', '.join(QKV_FORMATS)}; got {qkv_format!r}")
     return qkv_format
+
+
+def batch_and_seq(shape: Sequence[int], qkv_format: str) -> Tuple[int, int]:
+    """(batch, sequence) sizes of a bshd or sbhd shape (its batch dim is 0 or 1)."""
+    return (shape[0], shape[1]) if qkv_format == "bshd" else (shape[1], shape[0])
 
 
 def positive_int(name: str, value, *, optional: bool = False) -> Optional[int]:
@@ -93,7 +98,7 @@ def check_token_dims(token_shape: Sequence[int], qkv_format: str, step_lens: Seq
         if token_shape[0] < sum(step_lens):
             raise ValueError(f"new_k has {token_shape[0]} tokens (qkv_format='thd'); the step has {sum(step_lens)} (pre_step)")
         return
-    b, s = (token_shape[0], token_shape[1]) if qkv_format == "bshd" else (token_shape[1], token_shape[0])
+    b, s = batch_and_seq(token_shape, qkv_format)
     if not len(step_lens) <= b <= max_batch_size:
         raise ValueError(
             f"new_k's batch dim is {b} ({qkv_format}); it must cover the step's {len(step_lens)} sequences "

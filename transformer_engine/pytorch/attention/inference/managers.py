@@ -15,6 +15,7 @@ import torch
 
 from .append import TokenPositions, token_positions, write_tokens
 from .batch import StepPlan, check_step_dict, plan_step
+from .checks import batch_and_seq
 from .staging import StagedTensor, cache_device
 
 
@@ -94,8 +95,12 @@ class SlotCacheManager(KVCacheManager):
     def step(self, layer_number, new_k, new_v, cu_new_seqlens, cu_cached_seqlens, qkv_format):
         """Append the step's K/V (checked by :meth:`InferenceParams.step`) to the layer's cache
         without a host sync: one scatter per tensor, padding tokens to the scratch slot."""
-        check_layer_number(layer_number, self.cache)
         where = token_positions(cu_new_seqlens, cu_cached_seqlens, qkv_format, new_k.shape[:-2])
+        return self.append(layer_number, new_k, new_v, where, qkv_format)
+
+    def append(self, layer_number, new_k, new_v, where: TokenPositions, qkv_format: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`step` at positions already computed (:meth:`InferenceParams.step_positions`)."""
+        check_layer_number(layer_number, self.cache)
         slots = self._slots(where)
         for store, new in zip(self._stores[layer_number], (new_k, new_v)):
             write_tokens(store, slots, where.valid, new.reshape(-1, *new.shape[-2:]))
@@ -138,6 +143,6 @@ class NonPagedKVCacheManager(SlotCacheManager):
         return where.rows * self.max_seqlen + where.pos
 
     def _step_caches(self, layer_number: int, qkv_format: str, shape) -> Tuple[torch.Tensor, torch.Tensor]:
-        b = self.max_batch_size if qkv_format == "thd" else shape[0 if qkv_format == "bshd" else 1]
+        b = self.max_batch_size if qkv_format == "thd" else batch_and_seq(shape, qkv_format)[0]
         k, v = self.cache[layer_number]
         return k[:b], v[:b]

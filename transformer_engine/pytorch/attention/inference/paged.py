@@ -14,6 +14,13 @@ from .managers import SlotCacheManager
 from .staging import StagedTensor
 
 
+def gather_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Page pools [P, page_size, Hkv, D] read through ``page_table`` [B, pages] as dense
+    [B, pages * page_size, Hkv, D] tensors (new tensors)."""
+    pages = page_table.long()
+    return tuple(c[pages].flatten(1, 2) for c in (k_cache, v_cache))
+
+
 def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch
 
 from . import checks
+from .append import TokenPositions, token_positions
 from .batch import check_step_dict
 from .managers import KVCacheManager, NonPagedKVCacheManager, SlotCacheManager, check_layer_number
-from .paged import PagedKVCacheManager
+from .paged import PagedKVCacheManager, gather_pages
 from .record import KVCacheStep
 from .staging import StagedTensor, cache_device
 
@@ -74,6 +75,7 @@ class InferenceParams:
         self.pre_step_seqlens = lens[_PRE_STEP_LENS, : self.max_batch_size]
         self._step_lens: Tuple[int, ...] = ()
         self._offsets: Dict[Tuple[int, int], torch.Tensor] = {}
+        self._positions: Dict[tuple, TokenPositions] = {}  # this step's, by (format, token shape)
 
     def _make_manager(self, custom_cache_manager) -> KVCacheManager:
         if self.is_paged:
@@ -90,7 +92,13 @@ class InferenceParams:
             raise TypeError(f"custom_cache_manager must be a subclass of KVCacheManager; got {cls!r}")
         if issubclass(cls, SlotCacheManager):  # TE's own signatures have no device
             kwargs["device"] = self.device
-        return cls(**kwargs)
+        manager = cls(**kwargs)
+        if self.is_paged and not hasattr(manager, "page_table"):
+            raise TypeError(
+                f"custom_cache_manager {cls.__name__} has no attribute page_table; is_paged=True needs it "
+                f"([max_batch_size, max_sequence_length // page_size] int32, each batch row's pages)"
+            )
+        return manager
 
     @property
     def output_qkv_format(self) -> str:
@@ -106,6 +114,7 @@ class InferenceParams:
         """Forget every sequence (pages return to the pool); the layers' caches stay allocated."""
         self.cache_manager.reset()
         self.sequences, self.sequences_pre_step, self.batch_size, self._step_lens = OrderedDict(), OrderedDict(), 0, ()
+        self._positions = {}
         self._lens.host_for_write().zero_()
         self._lens.upload()
 
@@ -124,7 +133,8 @@ class InferenceParams:
         step_lens = [step_dict[seq] for seq in sequences]
         self.sequences, self.batch_size, self._step_lens = sequences, len(sequences), tuple(step_lens)
         self.sequences_pre_step = OrderedDict((seq, n - s) for (seq, n), s in zip(sequences.items(), step_lens))
-        self._write_lengths(step_lens, list(sequences.values()))
+        self._positions = {}  # the previous step's
+        self._write_lengths(step_lens, list(sequences.values()), list(self.sequences_pre_step.values()))
 
     def _check_manager_sequences(self, sequences, step_dict) -> None:
         # A custom manager's answer must describe this step, or every offset below would be wrong.
@@ -137,18 +147,37 @@ class InferenceParams:
                 f"got {dict(sequences)} for step_dict {dict(step_dict)}"
             )
 
-    def _write_lengths(self, step_lens, cached_lens) -> None:
+    def _write_lengths(self, step_lens, cached_lens, pre_step_lens) -> None:
         pad = [0] * (self.max_batch_size + 1 - len(step_lens))
         cu_q = list(itertools.accumulate(step_lens, initial=0))
         cu_kv = list(itertools.accumulate(cached_lens, initial=0))
         rows = [None] * 5
         rows[_STEP_LENS] = step_lens + pad
         rows[_CACHED_LENS] = cached_lens + pad
-        rows[_PRE_STEP_LENS] = [c - s for c, s in zip(cached_lens, step_lens)] + pad
+        rows[_PRE_STEP_LENS] = pre_step_lens + pad
         rows[_CU_Q] = cu_q + [cu_q[-1]] * (len(pad) - 1)
         rows[_CU_KV] = cu_kv + [cu_kv[-1]] * (len(pad) - 1)
         self._lens.host_for_write().copy_(torch.tensor(rows, dtype=torch.int32))
         self._lens.upload()
+
+    def step_positions(self, qkv_format: str, token_shape) -> TokenPositions:
+        """Where this step's tokens land (:func:`.append.token_positions` over the step's device
+        lengths) for inputs of ``qkv_format`` and ``token_shape`` (their shape without the last
+        two dims): made once per step and shape, then read by the rotary embeddings and every
+        layer's append. Neither kept nor reused while a CUDA graph is captured (the graph must
+        compute them from the lengths each replay copies in; tensors made in a capture hold
+        nothing until a replay) or torch.compile traces."""
+        key = (qkv_format, tuple(token_shape))
+        if self._capturing() or torch.compiler.is_compiling():
+            return token_positions(self.cu_seqlens_q, self.cu_seqlens_kv, qkv_format, token_shape)
+        where = self._positions.get(key)
+        if where is None:
+            where = token_positions(self.cu_seqlens_q, self.cu_seqlens_kv, qkv_format, token_shape)
+            self._positions[key] = where
+        return where
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def get_seqlens_pre_step(self) -> torch.Tensor:
         """[max_batch_size] int32 on the device: each batch row's cached length before this step,
@@ -161,8 +190,14 @@ class InferenceParams:
         host sync, and return the cache and what attention over it needs (:class:`KVCacheStep`)."""
         self._check_step(layer_number, new_k, new_v, qkv_format)
         self.input_qkv_format = qkv_format
-        k_cache, v_cache = self.cache_manager.step(layer_number, new_k, new_v, self.cu_seqlens_q, self.cu_seqlens_kv,
-                                                   qkv_format)
+        # The built-in managers append at the step's positions, computed once per step (not per
+        # layer); a custom manager, or one that overrides step, gets TE's arguments.
+        if type(self.cache_manager).step is SlotCacheManager.step:
+            where = self.step_positions(qkv_format, new_k.shape[:-2])
+            k_cache, v_cache = self.cache_manager.append(layer_number, new_k, new_v, where, qkv_format)
+        else:
+            k_cache, v_cache = self.cache_manager.step(layer_number, new_k, new_v, self.cu_seqlens_q, self.cu_seqlens_kv,
+                                                       qkv_format)
         return self._record(k_cache, v_cache, qkv_format, new_k.shape)
 
     def _check_step(self, layer_number, new_k, new_v, qkv_format) -> None:
@@ -175,10 +210,7 @@ class InferenceParams:
         checks.check_token_dims(new_k.shape[:-2], qkv_format, self._step_lens, self.max_batch_size)
 
     def _record(self, k_cache, v_cache, qkv_format: str, shape) -> KVCacheStep:
-        if qkv_format == "thd":
-            b, sq = self.max_batch_size, self.max_ctx_len
-        else:
-            b, sq = (shape[0], shape[1]) if qkv_format == "bshd" else (shape[1], shape[0])
+        b, sq = (self.max_batch_size, self.max_ctx_len) if qkv_format == "thd" else checks.batch_and_seq(shape, qkv_format)
         lens = self._lens.device_tensor
         cu_q = self.cu_seqlens_q[: b + 1]
         return KVCacheStep(
@@ -210,7 +242,7 @@ class InferenceParams:
         if key in self._offsets:
             return self._offsets[key]
         offsets = torch.arange(0, (batch + 1) * stride, stride, dtype=torch.int32, device=self.device)
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self._capturing():
             return offsets  # filled by the graph's replays only: not for eager steps to reuse
         self._offsets[key] = offsets
         return offsets
@@ -222,5 +254,4 @@ class InferenceParams:
         k_cache, v_cache = self.cache_manager.cache[layer_number]
         if not self.is_paged:
             return k_cache[: self.batch_size].clone(), v_cache[: self.batch_size].clone()
-        table = self.cache_manager.page_table[: self.batch_size].long()
-        return tuple(c[table].flatten(1, 2) for c in (k_cache, v_cache))
+        return gather_pages(k_cache, v_cache, self.cache_manager.page_table[: self.batch_size])

@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-_BATCH_AXIS = {"bshd": 0, "sbhd": 1}
+from .checks import batch_and_seq
 
 
 class KVCacheStep(NamedTuple):
@@ -62,11 +62,6 @@ class KVCacheStep(NamedTuple):
         return self.page_table is not None
 
     @property
-    def page_size(self) -> Optional[int]:
-        """Tokens per page of a paged cache (the pools' second dim); None when not paged."""
-        return self.k_cache.shape[1] if self.is_paged else None
-
-    @property
     def output_qkv_format(self) -> str:
         """TE's name for the input/cache format pair: bshd, sbhd_2bshd or thd_2bshd."""
         return "bshd" if self.qkv_format == "bshd" else f"{self.qkv_format}_2bshd"
@@ -90,8 +85,7 @@ class KVCacheStep(NamedTuple):
         a copy)."""
         if self.qkv_format == "thd":
             return query
-        b_axis = _BATCH_AXIS[self.qkv_format]
-        b, sq = query.shape[b_axis], query.shape[1 - b_axis]
+        b, sq = batch_and_seq(query.shape, self.qkv_format)
         if (b, sq) != (self.batch_size, self.max_seqlen_q):
             raise ValueError(
                 f"query has batch {b} and sequence length {sq} ({self.qkv_format}); the step's keys "

@@ -21,6 +21,7 @@ from typing import Optional, Tuple
 import torch
 
 from .append import thd_token_rows
+from .paged import gather_pages
 from .record import KVCacheStep
 
 INFERENCE_MASK_TYPES = {
@@ -80,8 +81,7 @@ def cached_kv(step: KVCacheStep) -> Tuple[torch.Tensor, torch.Tensor]:
     when paged); slots past each sequence's ``seqlens_kv`` are unspecified."""
     if not step.is_paged:
         return step.k_cache, step.v_cache
-    pages = step.page_table.long()
-    return tuple(c[pages].flatten(1, 2) for c in (step.k_cache, step.v_cache))
+    return gather_pages(step.k_cache, step.v_cache, step.page_table)
 
 
 def _dense_queries(query: torch.Tensor, step: KVCacheStep) -> torch.Tensor:

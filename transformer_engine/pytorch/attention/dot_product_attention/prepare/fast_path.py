@@ -110,7 +110,7 @@ def recipe_of(inp: AttentionInputs, selection, qkv_format: str, qkv: ResolvedQKV
                       policy)
 
 
-def _layer_facts(layers) -> Optional[tuple]:
+def layer_facts(layers) -> Optional[tuple]:
     """(shape, strides, dtype, device, requires_grad) of each layer given (None where absent), or
     None when one is not a plain tensor (the full path names it)."""
     facts = []
@@ -188,7 +188,7 @@ def _exact_policy_key(key) -> bool:
     """A mask type, or (mask type, window of two Python ints): keys that compare equal only
     when they parse alike (("padding", (2.0, 0)) equals ("padding", (2, 0)) as a key)."""
     if type(key) is tuple:
-        return len(key) == 2 and type(key[0]) in (str, AttnMaskType) and _exact_window(key[1])
+        return len(key) == 2 and type(key[0]) in (str, AttnMaskType) and exact_window(key[1])
     return type(key) in (str, AttnMaskType)
 
 
@@ -202,9 +202,9 @@ def call_key(module, qkv_format, layers, interleave_dim, cus, max_seqlens, attn_
     ``fp8``: the call's FP8 context (its mode decides selection)."""
     if compiling() or validation_enabled():
         return None
-    if not _exact_window(window_size):
+    if not exact_window(window_size):
         return None  # (2.0, 0) equals (2, 0) as a key: the full path must see (and reject) it
-    facts = _layer_facts(layers)
+    facts = layer_facts(layers)
     if facts is None:
         return None
     fmt = qkv_format if qkv_format is not None else module.qkv_format
@@ -219,15 +219,21 @@ def call_key(module, qkv_format, layers, interleave_dim, cus, max_seqlens, attn_
     else:
         thd = None
     sink = getattr(module, "softmax_offset", None)
-    settings = (module.training, module.attention_dropout, module.qkv_format, module.attn_mask_type, module.window_size,
-                module.num_attention_heads_per_partition, module.num_gqa_groups_per_partition, module.head_dims,
-                module.softmax_type, module.return_max_logit, sink is not None and sink.requires_grad)
+    settings = (module_settings(module), sink is not None and sink.requires_grad)
     return (fmt, facts, interleave_dim, thd, attn_mask_type, window_size, bottom_right_diagonal, settings,
             torch.is_grad_enabled(), env_snapshot(), None if fp8 is None else fp8.key,
             autotune_key(cus[0] if fmt == "thd" else None))
 
 
-def _exact_window(window) -> bool:
+def module_settings(module) -> tuple:
+    """The module's settings that a call's decisions read (both keys, :func:`call_key` and
+    :func:`.kv_cache.kv_call_key`, hold them)."""
+    return (module.training, module.attention_dropout, module.qkv_format, module.attn_mask_type, module.window_size,
+            module.num_attention_heads_per_partition, module.num_gqa_groups_per_partition, module.head_dims,
+            module.softmax_type, module.return_max_logit)
+
+
+def exact_window(window) -> bool:
     """None, or a tuple of exactly two Python ints (what the full path accepted before)."""
     return window is None or (type(window) is tuple and len(window) == 2 and all(type(w) is int for w in window))
 

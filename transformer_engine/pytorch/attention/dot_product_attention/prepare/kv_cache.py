@@ -27,11 +27,13 @@ from ..environment import compiling, env_snapshot
 from ..masks import AttnMaskType, MaskSpec, normalize_window
 from ..selection.libraries import compute_capability
 from ..selection.params import AttentionParams
+from .fast_path import exact_window, layer_facts, module_settings
 from .inputs import AttentionInputs
 from .packed_qkv import resolve_qkv, split_packed
 from .packed_seqs import PackedSeqs
 from .validation import check_format, check_qkv
 from ...inference import InferenceParams, KVCacheStep, inference_attn_mask_type
+from ...inference.checks import batch_and_seq
 
 
 def reject_with_kv_cache(inference_params: Any, cp_size: int, *, attention_mask, bias_type: str, bias, alibi_slopes,
@@ -65,7 +67,7 @@ def _step_sizes(inference_params: InferenceParams, query: torch.Tensor, qkv_form
     at most max_ctx_len queries; bshd/sbhd have their batch and sequence dims."""
     if qkv_format == "thd":
         return inference_params.max_batch_size, inference_params.max_ctx_len or 0
-    return (query.shape[0], query.shape[1]) if qkv_format == "bshd" else (query.shape[1], query.shape[0])
+    return batch_and_seq(query.shape, qkv_format)
 
 
 def kv_selection_params(module: Any, inference_params: InferenceParams, q: torch.Tensor, k: torch.Tensor,
@@ -105,14 +107,6 @@ def kv_record(module: Any, query: torch.Tensor, step: KVCacheStep, spec: MaskSpe
         k, v = step.k_cache_thd, step.v_cache_thd
         packed_kv = PackedSeqs(step.cu_seqlens_kv, step.cu_seqlens_kv_padded, step.max_seqlen_kv, k.shape[0])
     return AttentionInputs(q, k, v, "thd", spec, module.softmax_scale, packed_q=packed_q, packed_kv=packed_kv, kv_cache=step)
-
-
-def kv_output(inp: AttentionInputs, out: torch.Tensor) -> torch.Tensor:
-    """A backend's [rows, H, Dv] output as [B, Sq, H, Dv] (bshd/sbhd steps) or [T, H, Dv] (thd)."""
-    step = inp.kv_cache
-    if step.qkv_format == "thd":
-        return out
-    return out.reshape(step.batch_size, step.max_seqlen_q, *out.shape[1:])
 
 
 @dataclass(frozen=True)
@@ -162,20 +156,12 @@ def kv_call_key(module: Any, inference_params: InferenceParams, layers, interlea
     """Every host fact a KV call's decisions read, or None where the full path must run."""
     if compiling():
         return None
-    if not (window_size is None or (type(window_size) is tuple and all(type(w) is int for w in window_size))):
+    if not exact_window(window_size):
         return None  # a window the full path must see (and may reject)
-    facts = []
-    for t in layers:
-        if t is None:
-            facts.append(None)
-        elif type(t) is torch.Tensor:
-            facts.append((t.shape, t.stride(), t.dtype, t.device, t.requires_grad))
-        else:
-            return None
+    facts = layer_facts(layers)
+    if facts is None:
+        return None
     ip = inference_params
     cache = (ip.is_paged, ip.page_size, ip.max_sequence_length, ip.max_batch_size, ip.max_ctx_len)
-    settings = (module.training, module.attention_dropout, module.qkv_format, module.attn_mask_type, module.window_size,
-                module.num_attention_heads_per_partition, module.num_gqa_groups_per_partition, module.head_dims,
-                module.softmax_type, module.return_max_logit)
-    return ("kv", qkv_format, tuple(facts), interleave_dim, attn_mask_type, window_size, cache, settings,
+    return ("kv", qkv_format, facts, interleave_dim, attn_mask_type, window_size, cache, module_settings(module),
             torch.is_grad_enabled(), env_snapshot())
