@@ -44,6 +44,12 @@ def rmse_within(a: torch.Tensor, b: torch.Tensor, tol: float = 0.11) -> None:
     assert rmse < tol * span, f"RMSE {rmse:.5f} over {tol} x range {span:.5f}"
 
 
+def rel_rmse(a: torch.Tensor, b: torch.Tensor) -> float:
+    """RMSE of ``a`` against ``b``, over ``b``'s value range (on the host, in float64)."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).pow(2).mean().sqrt() / (b.max() - b.min())).item()
+
+
 def bshd(seed: int, b=2, s=32, h=4, hg=4, d=64, dtype=torch.bfloat16, scale=1.0):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(b, s, n, d, generator=g) * scale).to(dtype).requires_grad_() for n in (h, hg, hg)]

@@ -34,6 +34,7 @@ from transformer_engine.common import recipe
 from transformer_engine.pytorch.attention import backend_scope
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
+from .fp8_helpers import rel_rmse
 from .gpu_helpers import env, run_on, sync_errors
 from .packing import make_thd
 from .reference import reference_dense, reference_thd
@@ -63,11 +64,6 @@ def _record(case: str, **numbers) -> None:
     if path:
         with open(path, "a") as f:
             f.write(json.dumps(dict(case=case, **numbers)) + "\n")
-
-
-def _rel_rmse(a, b) -> float:
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return ((a - b).pow(2).mean().sqrt() / (b.max() - b.min())).item()
 
 
 def _inputs(seed, fmt, hg, d):
@@ -112,10 +108,10 @@ def test_fp8_vs_f16_and_the_emulation(fmt, mask, hg, bwd):
         (out, grads), state, (qkv, dout) = _steps("FusedAttention", fmt, mask, hg, 128)
         (emu_out, emu_grads), emu_state, _ = _steps("unfused", fmt, mask, hg, 128)
     ref, ref_grads = _reference(qkv, dout, fmt, mask, 128)
-    numbers = dict(out_vs_f16=_rel_rmse(out.reshape(ref.shape), ref), out_vs_emulation=_rel_rmse(out, emu_out),
-                   emulation_vs_f16=_rel_rmse(emu_out.reshape(ref.shape), ref))
+    numbers = dict(out_vs_f16=rel_rmse(out.reshape(ref.shape), ref), out_vs_emulation=rel_rmse(out, emu_out),
+                   emulation_vs_f16=rel_rmse(emu_out.reshape(ref.shape), ref))
     for name, g, e, r in zip("qkv", grads, emu_grads, ref_grads):
-        numbers[f"d{name}_vs_f16"], numbers[f"d{name}_vs_emulation"] = _rel_rmse(g, r), _rel_rmse(g, e)
+        numbers[f"d{name}_vs_f16"], numbers[f"d{name}_vs_emulation"] = rel_rmse(g, r), rel_rmse(g, e)
     _record(f"fp8-{bwd}-bwd {fmt} {mask} {H}:{hg} d128", **numbers)
     assert all(v < TE_TOL for k, v in numbers.items() if k.endswith("vs_f16")), numbers
     assert numbers["out_vs_emulation"] < OUT_TOL, numbers
@@ -177,8 +173,8 @@ def test_padding_and_bottom_right(case):
     ref_leaves = [t.detach().double().cpu() for t in (q, k, v)]
     ref = reference_dense(*ref_leaves, mask, None, 1 / math.sqrt(128), lengths, lengths).reshape(results["unfused"][0].shape)
     got, emu = results["FusedAttention"], results["unfused"]
-    numbers = dict(out_vs_f16=_rel_rmse(got[0], ref), out_vs_emulation=_rel_rmse(got[0], emu[0]))
-    numbers.update({f"d{n}_vs_emulation": _rel_rmse(g, e) for n, g, e in zip("qkv", got[1:], emu[1:])})
+    numbers = dict(out_vs_f16=rel_rmse(got[0], ref), out_vs_emulation=rel_rmse(got[0], emu[0]))
+    numbers.update({f"d{n}_vs_emulation": rel_rmse(g, e) for n, g, e in zip("qkv", got[1:], emu[1:])})
     _record(f"fp8 {case} 4:2 d128", **numbers)
     assert numbers["out_vs_f16"] < TE_TOL and numbers["out_vs_emulation"] < OUT_TOL, numbers
     assert all(v < GRAD_TOL for k_, v in numbers.items() if k_.startswith("d")), numbers
@@ -200,12 +196,12 @@ def test_head_dim_64(fmt):
         out = run_on("FusedAttention", dpa, *qkv)
     ref, _ = _reference(qkv, dout, fmt, "causal", 64)
     to_bshd = (lambda t: t.transpose(0, 1)) if fmt == "sbhd" else (lambda t: t)
-    assert _rel_rmse(to_bshd(out).reshape(ref.shape), ref) < TE_TOL
+    assert rel_rmse(to_bshd(out).reshape(ref.shape), ref) < TE_TOL
     with env(NVTE_FP8_DPA_BWD="0"), te.autocast(recipe=_recipe()):
         out = run_on("FusedAttention", dpa, *qkv)
     out.backward(dout)
     _, ref_grads = _reference(qkv, dout, fmt, "causal", 64)
-    assert all(_rel_rmse(to_bshd(t.grad), r) < TE_TOL for t, r in zip(qkv, ref_grads))
+    assert all(rel_rmse(to_bshd(t.grad), r) < TE_TOL for t, r in zip(qkv, ref_grads))
 
 
 def test_thd_forward_with_gaps():
@@ -225,8 +221,8 @@ def test_thd_forward_with_gaps():
     ref = reference_thd(*(t.detach().double().cpu() for t in (p.q, p.k, p.v)), *(x.cpu() for x in (p.cu_q, p.cu_q, p.off_q, p.off_q)),
                         ["padding_causal"] * 4, [None] * 4, 1 / math.sqrt(128))
     valid = p.valid_q.cpu()
-    numbers = dict(out_vs_f16=_rel_rmse(out.cpu()[valid], ref.reshape(out.shape)[valid]),
-                   out_vs_emulation=_rel_rmse(out[p.valid_q], emu[p.valid_q]))
+    numbers = dict(out_vs_f16=rel_rmse(out.cpu()[valid], ref.reshape(out.shape)[valid]),
+                   out_vs_emulation=rel_rmse(out[p.valid_q], emu[p.valid_q]))
     _record("fp8-fwd thd gaps padding_causal 4:2 d128", **numbers)
     assert numbers["out_vs_f16"] < TE_TOL and numbers["out_vs_emulation"] < OUT_TOL, numbers
 
@@ -254,9 +250,9 @@ def test_declared_qkv_layer_equals_separate_tensors(fmt, dim):
             out = run_on("FusedAttention", dpa, **kwargs)
         out.backward(dout)
         results.append(out)
-    assert torch.equal(results[0], results[1]) and _rel_rmse(twin.grad, layer.grad) < 1e-3
-    assert _rel_rmse(results[2], results[0]) < 1e-3
-    assert _rel_rmse(torch.stack([t.grad for t in copies], dim=dim), layer.grad) < 1e-2
+    assert torch.equal(results[0], results[1]) and rel_rmse(twin.grad, layer.grad) < 1e-3
+    assert rel_rmse(results[2], results[0]) < 1e-3
+    assert rel_rmse(torch.stack([t.grad for t in copies], dim=dim), layer.grad) < 1e-2
 
 
 def _cast_both(x, dtype, valid):

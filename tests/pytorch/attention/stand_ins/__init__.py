@@ -16,9 +16,10 @@ documented semantics, so the package's real backend code runs around it:
   and the real mask-band translation run): ragged element offsets, per-sequence lengths,
   stats or the row max and sum of exponents, bias, ALiBi, sinks; it leaves a query row that
   sees no key unwritten, as cuDNN does.
-- :mod:`.cudnn_fp8` stands in for the FP8 cuDNN ops (``cudnn_fp8_fwd`` / ``cudnn_fp8_bwd``, and
-  ``cudnn_bwd`` for NVTE_FP8_DPA_BWD=0): the math of cudnn-frontend's FP8 graphs from the FP8
-  inputs and the scalar tables, in float32, writing only the rows it runs.
+  Its FP8 nodes (``sdpa_fp8`` / ``sdpa_fp8_backward``, executed by :mod:`.cudnn_fp8_nodes`) run
+  the package's FP8 ops and graphs (``fp8_ops.py``, ``fp8_graphs.py``): scalars read by uid,
+  amaxes written by uid, the quantizations where the H200 puts them, and the rows past a dense
+  sequence's length written, as the H200's FP8 forward does.
 
 Every stand-in records its calls. The fixtures in ``conftest.py`` (``fa4_lib``, ``fa3_lib``,
 ``fa2_lib``, ``cudnn_lib``) install one for a test; FA4's and cuDNN's also turn on torch's

@@ -15,7 +15,11 @@ past a sequence's length left as GARBAGE). A query row that sees no key is left 
 output (as cuDNN leaves it); a sequence with an empty side writes nothing at all (stricter than
 cuDNN, which writes zero gradients there), so the package must not hand such rows an empty
 buffer. Dropout is recorded (its seed and offset in the pack) but not applied: its values are
-checked on the GPU."""
+checked on the GPU.
+
+``sdpa_fp8`` and ``sdpa_fp8_backward`` (cudnn-frontend 1.32's FP8 nodes, their keyword names)
+are recorded the same way and executed by :mod:`.cudnn_fp8_nodes`; their runs are told apart by
+``Node.direction`` ("fp8_fwd", "fp8_bwd")."""
 
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn.g
 
 from ..reference import alibi_bias, band, standard_slopes
 from . import stand_in_module
+from .cudnn_fp8_nodes import fp8_backward, fp8_forward, fp8_modelled
 from .rows import backward, forward, max_and_sum_exp
 
 GARBAGE = 1e30
@@ -89,9 +94,10 @@ class Tensor:
 
 @dataclass
 class Node:
-    """One sdpa or sdpa_backward node: its tensors and arguments, by cudnn-frontend's names."""
+    """One sdpa, sdpa_backward, sdpa_fp8 or sdpa_fp8_backward node: its tensors and arguments,
+    by cudnn-frontend's names."""
 
-    direction: str  # "fwd" | "bwd"
+    direction: str  # "fwd" | "bwd" | "fp8_fwd" | "fp8_bwd"
     tensors: dict  # q, k, v (o, dO, stats for the backward) and the tensor-valued arguments
     args: dict  # everything else, by name
     outputs: dict = field(default_factory=dict)  # o / stats, or dq / dk / dv
@@ -144,7 +150,8 @@ class Node:
 
 
 class Graph:
-    """cudnn.pygraph: one sdpa or sdpa_backward node, executed per sequence in float64."""
+    """cudnn.pygraph: one sdpa, sdpa_backward, sdpa_fp8 or sdpa_fp8_backward node, executed per
+    sequence in float64."""
 
     def __init__(self, library: "CudnnLibrary", handle=None, io_data_type=None, intermediate_data_type=None,
                  compute_data_type=None):
@@ -184,6 +191,34 @@ class Graph:
         self.node.outputs = dict(dq=Tensor("dq"), dk=Tensor("dk"), dv=Tensor("dv"))
         return self.node.outputs["dq"], self.node.outputs["dk"], self.node.outputs["dv"]
 
+    def sdpa_fp8(self, q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o, is_inference=None, attn_scale=None,
+                 bias=None, use_alibi_mask=False, use_padding_mask=False, seq_len_q=None, seq_len_kv=None, use_causal_mask=False,
+                 use_causal_mask_bottom_right=False, sliding_window=None, diagonal_alignment=None, left_bound=None,
+                 right_bound=None, dropout=None, rng_dump=None, paged_attention_k_table=None, paged_attention_v_table=None,
+                 paged_attention_max_seq_len_kv=None, max_total_seq_len_q=None, max_total_seq_len_kv=None, compute_data_type=None,
+                 name="", fn=None, generate_stats=None, score_max=None, score_sum_exp=None, sink_token=None, unfuse_fma=False,
+                 implementation=None, cu_seq_len_q=None, cu_seq_len_kv=None, stats_use_log2=False):
+        fp8_modelled(locals())
+        assert (generate_stats is None) != (is_inference is None), "exactly one of generate_stats, is_inference"
+        tensors = dict(q=q, k=k, v=v, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, descale_q=descale_q, descale_k=descale_k,
+                       descale_v=descale_v, descale_s=descale_s, scale_s=scale_s, scale_o=scale_o)
+        self.node = Node("fp8_fwd", tensors, self._args(locals(), tensors))
+        stats = Tensor("stats") if (generate_stats if generate_stats is not None else not is_inference) else None
+        self.node.outputs = dict(o=Tensor("o"), stats=stats, amax_s=Tensor("amax_s"), amax_o=Tensor("amax_o"))
+        return tuple(self.node.outputs.values())
+
+    def sdpa_fp8_backward(self, q, k, v, o, dO, stats, descale_q, descale_k, descale_v, descale_o, descale_dO, descale_s,
+                          descale_dP, scale_s, scale_dQ, scale_dK, scale_dV, scale_dP, attn_scale=None, use_padding_mask=False,
+                          seq_len_q=None, seq_len_kv=None, use_causal_mask=False, use_causal_mask_bottom_right=False,
+                          diagonal_alignment=None, left_bound=None, right_bound=None, use_deterministic_algorithm=False,
+                          dropout=None, compute_data_type=None, name="", sink_token=None, dSink_token=None,
+                          max_total_seq_len_q=None, max_total_seq_len_kv=None):
+        fp8_modelled(locals())
+        tensors = {n: x for n, x in locals().items() if isinstance(x, Tensor)}
+        self.node = Node("fp8_bwd", tensors, self._args(locals(), tensors))
+        self.node.outputs = {n: Tensor(n) for n in ("dq", "dk", "dv", "amax_dQ", "amax_dK", "amax_dV", "amax_dP")}
+        return tuple(self.node.outputs.values())
+
     @staticmethod
     def _args(given: dict, tensors: dict) -> dict:
         return {n: v for n, v in given.items() if n not in tensors and n != "self"}
@@ -201,7 +236,7 @@ class Graph:
 
     def execute(self, pack: dict, workspace=None, handle=None) -> None:
         self.library.runs.append((self.node, pack))
-        (_forward if self.node.direction == "fwd" else _backward)(self.node, pack)
+        _RUN[self.node.direction](self.node, pack)
 
 
 def _sequences(node: Node, pack: dict):
@@ -296,6 +331,10 @@ def _add_bias_grad(target: torch.Tensor, ds: torch.Tensor, n: int, m: int) -> No
         target[:, :, :m] += ds.sum(1, keepdim=True).to(target.dtype)
     else:
         target[:, :n, :m] += ds.to(target.dtype)
+
+
+_RUN = {"fwd": _forward, "bwd": _backward, "fp8_fwd": lambda node, pack: fp8_forward(node, pack, _sequences(node, pack)),
+        "fp8_bwd": lambda node, pack: fp8_backward(node, pack, _sequences(node, pack))}
 
 
 class CudnnLibrary:
