@@ -1,7 +1,7 @@
 """DotProductAttention: TransformerEngine's module, with its names and argument meanings.
 
-``forward`` prepares the call once (:mod:`.prepare`, or :mod:`.fast_path` for a repeat), asks
-for a backend and runs it.
+``forward`` prepares the call once (:mod:`.prepare`, or :mod:`.prepare.fast_path` for a
+repeat), asks for a backend and runs it.
 """
 
 from __future__ import annotations
@@ -147,16 +147,16 @@ class DotProductAttention(torch.nn.Module):
         """Attention over q/k/v (separate, or declared packed via ``qkv_layer``/``kv_layer``).
 
         ``attn_mask_type_per_seq`` / ``thd_sequence_is_causal`` give each packed sequence its own
-        mask policy (THD only); see :mod:`.per_seq_policy`.
+        mask policy (THD only); see :mod:`.prepare.policies`.
 
         ``inference_params`` (TE's ``InferenceParams``): the step's K/V are appended to this
         layer's cache (``layer_number``) and the queries attend over everything cached, with the
         lengths of the last ``pre_step``; see :mod:`.prepare.kv_cache`.
 
-        ``_packed_seqs`` is private (not TE's): both THD sides as :func:`.thd.prepare_sides`
-        returned them for this call's cu_seqlens, max_seqlens and pad_between_seqs
-        (MultiheadAttention's rotary path has built them already); not read under context
-        parallelism, which prepares the global metadata itself.
+        ``_packed_seqs`` is private (not TE's): both THD sides as
+        :func:`.prepare.packed_seqs.prepare_sides` returned them for this call's cu_seqlens,
+        max_seqlens and pad_between_seqs (MultiheadAttention's rotary path has built them
+        already); not read under context parallelism, which prepares the global metadata itself.
         """
         if fp8_output:
             raise NotImplementedError("fp8_output is not implemented; pass False")

@@ -1,5 +1,5 @@
 """flash-attn-4 (``flash_attn.cute``): its support declaration, the translation of a call into
-its arguments (:class:`_FA4Kernel`, the kernel interface of :mod:`..kernel_problem`) and the
+its arguments (:class:`_FA4Kernel`, the kernel interface of :mod:`.kernel_problem`) and the
 registered ops around the library.
 
 The FA4 ops write into caller-provided buffers (``out``/``lse``, ``dq``/``dk``/``dv``): FA4 leaves
@@ -249,7 +249,7 @@ class FlashAttentionV4(FlashAttention):
 
 
 class _FA4Kernel:
-    """The kernel interface (:mod:`..kernel_problem`) on flash_attn.cute (FA4): run offsets as
+    """The kernel interface (:mod:`.kernel_problem`) on flash_attn.cute (FA4): run offsets as
     cu_seqlens, valid lengths as seqused_q/k; the log-sum-exp is [H, T] (varlen) or [B, H, S]
     (dense).
 

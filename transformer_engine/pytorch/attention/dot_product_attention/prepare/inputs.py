@@ -24,7 +24,7 @@ BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
 @dataclass(frozen=True, eq=False)
 class AttentionInputs:
     """The tensors and resolved options of one call: built once, complete, by
-    :func:`.prepare.prepare` (the full path) or :meth:`.fast_path.CallRecipe.inputs` (a repeat),
+    :func:`.call.prepare` (the full path) or :meth:`.fast_path.CallRecipe.inputs` (a repeat),
     then only read. Derive a variant with ``dataclasses.replace``.
 
     ``q``/``k``/``v`` are [B, S, H, D] for dense formats (sbhd arrives as a transposed view)
