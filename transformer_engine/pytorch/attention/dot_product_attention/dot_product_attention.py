@@ -190,7 +190,7 @@ class DotProductAttention(torch.nn.Module):
             inp = recipe.inputs(self, layers, cus, max_seqlens, _packed_seqs, attn_mask_type_per_seq, thd_sequence_is_causal,
                                 num_splits, fp8)
             fmt, backend = recipe.qkv_format, recipe.selection.backend
-            self.__dict__["last_selection"] = recipe.selection  # past nn.Module.__setattr__ (see _select)
+            self._set_last_selection(recipe.selection)
         else:
             fmt = check_format(qkv_format if qkv_format is not None else self.qkv_format)
             qkv = resolve_qkv(*layers, qkv_interleave_dim, fmt)
@@ -260,7 +260,7 @@ class DotProductAttention(torch.nn.Module):
             recipe = dataclasses.replace(recipe, backend=backend, selection=None if compiling() else self.last_selection)
             remember(self._recipes, key, recipe)
         else:
-            object.__setattr__(self, "last_selection", recipe.selection)
+            self._set_last_selection(recipe.selection)
         with torch.no_grad():  # forward only (selection refused gradients in training mode)
             inp = recipe.inputs(self, inference_params, layers)
             return _flatten(kv_output(inp, recipe.backend.run_kv_cache(inp)), recipe.qkv_format)
@@ -278,10 +278,13 @@ class DotProductAttention(torch.nn.Module):
         selection = require_backend(params)
         if inp is not None:
             selection = tuned(selection, params, inp, self.training)
-        # What ran, and why not the others (for reports). Set past nn.Module.__setattr__, which
-        # costs microseconds per call looking for parameters and submodules.
-        object.__setattr__(self, "last_selection", selection)
+        self._set_last_selection(selection)
         return selection.backend
+
+    def _set_last_selection(self, selection) -> None:
+        """What ran, and why not the others (for reports). Set past nn.Module.__setattr__, which
+        costs microseconds per call looking for parameters and submodules."""
+        self.__dict__["last_selection"] = selection
 
     # TE's checkpoint entry ``_extra_state`` (FP8 state; empty without FP8): see extra_state.py.
     get_extra_state, set_extra_state = extra_state.get_extra_state, extra_state.set_extra_state

@@ -289,14 +289,10 @@ class _FA4Kernel:
         # -exp(sink - lse) * rowsum(dO * O) over the rows it runs).
         dsink = None if features.sink is None else torch.zeros_like(features.sink)
         det = torch.are_deterministic_algorithms_enabled()
-        bwd = kernel_ops.ops.fa4_bwd if dsink is None else kernel_ops.ops.fa4_bwd_sink
+        bwd, sink_args = (kernel_ops.ops.fa4_bwd, ()) if dsink is None else (kernel_ops.ops.fa4_bwd_sink, (features.sink, dsink))
         for run in problem.runs:
-            args = (dout, q, k, v, out, stats[0], dq, dk, dv, *_run_args(problem, run), problem.softmax_scale,
-                    *mask_args(run.spec), det)
-            if dsink is None:
-                bwd(*args)
-            else:
-                bwd(*args, features.sink, dsink)
+            bwd(dout, q, k, v, out, stats[0], dq, dk, dv, *_run_args(problem, run), problem.softmax_scale,
+                *mask_args(run.spec), det, *sink_args)
         if problem.rows_q is not None:
             kernel_ops.ops.zero_gap_rows_qkv(dq, dk, dv, *problem.rows_q, *problem.rows_kv, -1)
         return dq, dk, dv, None, dsink
