@@ -298,3 +298,26 @@ def test_measure_times_detached_views_and_restores_the_rng(runnable_on_cpu):
     assert ms > 0 and torch.equal(torch.get_rng_state(), state)
     assert all(t.grad is None for t in qkv)
     assert runnable_on_cpu.calls == ["cudnn_fwd", "cudnn_bwd"] * (1 + autotune.REPEATS)
+
+
+def test_measure_times_the_backward_a_learnable_sink_alone_asks_for(runnable_on_cpu):
+    """Selection counts the sink's requires_grad as wanting gradients; so does the timing: with
+    q/k/v frozen and the learnable softmax_offset trainable, each timed step runs a backward,
+    and the module's parameter gets no gradient from it."""
+    dpa, qkv, kwargs = _module_call(softmax_type="learnable")
+    frozen = [t.detach() for t in qkv]
+    captured = {}
+    real_run = FusedAttention.run
+
+    def run(record, training):
+        captured["inp"] = record
+        return real_run(record, training)
+
+    with pytest.MonkeyPatch.context() as mp, backend_scope(force=FusedAttention):
+        mp.setattr(FusedAttention, "run", staticmethod(run))
+        dpa(*frozen, **kwargs)
+    assert captured["inp"].softmax_offset is dpa.softmax_offset and dpa.softmax_offset.requires_grad
+    runnable_on_cpu.clear()
+    autotune.measure(FusedAttention, captured["inp"], True, "eager")
+    assert runnable_on_cpu.calls == ["cudnn_fwd", "cudnn_bwd"] * (1 + autotune.REPEATS)
+    assert dpa.softmax_offset.grad is None

@@ -71,13 +71,14 @@ def test_capture_after_warm_up_uses_the_recorded_choice():
             for _ in range(2):
                 dpa(*leaves, **kw)  # the first call times the candidates (outside the capture)
         torch.cuda.current_stream().wait_stream(side)
+        assert "chosen by autotune" in dpa.last_selection.how, dpa.last_selection.how  # the warm-up was timed
         chosen = dpa.last_selection.label
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph), torch.no_grad():
             out = dpa(*leaves, **kw)
         graph.replay()
         torch.cuda.synchronize()
-    assert dpa.last_selection.label == chosen
+    assert dpa.last_selection.label == chosen and "chosen by autotune" in dpa.last_selection.how, dpa.last_selection.how
     with torch.no_grad():
         assert rel_err(out, _module()(*leaves, **kw)) < 2e-2
 
@@ -106,7 +107,10 @@ def test_torch_compile_does_not_consult_it():
     torch._dynamo.reset()
     leaves, kw = _batch()
     dpa = _module()
+    with torch.no_grad():
+        want = _module()(*leaves, **kw)  # autotune off: times nothing
     with env(NVTE_ATTN_AUTOTUNE="1"), torch.no_grad():
         compiled = torch.compile(lambda *a: dpa(*a, **kw), fullgraph=True)
         out = compiled(*leaves)
-        assert rel_err(out, _module()(*leaves, **kw)) < 2e-2
+    assert autotune._choices == {}, "the compiled call timed candidates"
+    assert rel_err(out, want) < 2e-2

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import backend_scope
 from transformer_engine.pytorch.attention.dot_product_attention.backends import (FlashAttentionV4, FusedAttention,
-                                                                                UnfusedDotProductAttention, kernel_ops)
+                                                                                UnfusedDotProductAttention, kernel_autograd, kernel_ops)
 from transformer_engine.pytorch.attention.dot_product_attention.backends.kernel_problem import KernelProblem, KernelRun, ScoreFeatures
 from transformer_engine.pytorch.attention.dot_product_attention.backends.unfused_kernel import UnfusedKernel
 from transformer_engine.pytorch.attention.dot_product_attention.cp.spans import StepMask, make_span, span_kernel
@@ -355,6 +355,33 @@ def test_module_thd_several_policies_cross_attention(libs, backend, compact, gap
     out, grads = _module_parity(BACKENDS[backend], [p.q, p.k, p.v], kwargs, qkv_format="thd", attn_mask_type="padding")
     assert torch.all(out[~p.valid_q] == 0) and torch.all(grads[0][~p.valid_q] == 0)
     assert all(torch.all(t[~p.valid_kv] == 0) for t in grads[1:])
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_the_c_apply_entry_gives_the_public_applys_gradients(libs, backend, monkeypatch):
+    """kernel_autograd binds autograd.Function's C entry (``_C_APPLY``) to skip apply's Python
+    layer; were a torch release to move work into that layer, this entry would skip it. Same
+    call, same stand-in, both entries: equal outputs and gradients (q, k, v and the learnable
+    sink, the Function's fifth input)."""
+    if kernel_autograd._C_APPLY is None:
+        pytest.skip("this torch has no C apply entry to bind: the public apply runs")
+    p, kwargs = _thd(gaps=True)
+    dpa = DotProductAttention(H, D, num_gqa_groups=HG, softmax_scale=SCALE, qkv_format="thd", attn_mask_type="padding_causal",
+                              softmax_type="learnable")
+    g = torch.randn(p.q.shape[0], H * D, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    entered = []
+    real = kernel_autograd._C_APPLY
+    results = []
+    for entry in (lambda *a: entered.append(1) or real(*a), None):  # None: run_kernel takes the public apply
+        monkeypatch.setattr(kernel_autograd, "_C_APPLY", entry)
+        leaves = [t.detach().clone().requires_grad_() for t in (p.q, p.k, p.v)]
+        with backend_scope(force=BACKENDS[backend]):
+            out = dpa(*leaves, **kwargs)
+        results.append((out, *torch.autograd.grad(out, [*leaves, dpa.softmax_offset], g)))
+    assert entered == [1], "the C entry did not run"
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsink"), *results):
+        torch.testing.assert_close(a.nan_to_num(), b.nan_to_num(), rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
+    assert results[0][4].abs().sum() > 0  # the sink's gradient reached its input
 
 
 def test_module_dense_padding_lengths_made_once(cudnn_lib):

@@ -387,4 +387,14 @@ def test_sq_equals_skv_is_one_fact_for_selection_and_the_cudnn_runner(monkeypatc
     assert seen["params"].shared_cu_seqlens and seen["params"].same_lengths and seen["inp"].same_lengths
     kw["cu_seqlens_kv"] = p.cu_q.clone()  # equal values, another tensor: not known without reading them
     DotProductAttention(4, 8, qkv_format="thd", attn_mask_type="padding_causal")(p.q, p.k, p.v, **kw)
-    assert not seen["params"].shared_cu_seqlens and not seen["inp"].same_lengths
+    assert not seen["params"].shared_cu_seqlens and not seen["params"].same_lengths and not seen["inp"].same_lengths
+
+
+def test_hand_built_params_derive_same_lengths_from_their_facts():
+    """Params built by hand (no tensors) derive sq == skv from their host facts, the same
+    answer AttentionInputs.same_lengths gives the module's calls."""
+    assert AttentionParams().same_lengths
+    assert not AttentionParams(max_seqlen_q=128, max_seqlen_kv=64).same_lengths
+    assert not AttentionParams(has_padding_mask=True).same_lengths
+    assert AttentionParams(qkv_format="thd", max_seqlen_q=128, max_seqlen_kv=64).same_lengths  # shared cu_seqlens
+    assert not AttentionParams(qkv_format="thd", shared_cu_seqlens=False).same_lengths

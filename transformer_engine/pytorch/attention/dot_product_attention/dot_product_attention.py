@@ -1,7 +1,7 @@
 """DotProductAttention: TransformerEngine's module, with its names and argument meanings.
 
-``forward`` prepares the call once (:mod:`.prepare`, or :mod:`.fast_path` for a repeat), asks
-for a backend and runs it.
+``forward`` prepares the call once (:mod:`.prepare`, or :mod:`.prepare.fast_path` for a
+repeat), asks for a backend and runs it.
 """
 
 from __future__ import annotations
@@ -147,16 +147,16 @@ class DotProductAttention(torch.nn.Module):
         """Attention over q/k/v (separate, or declared packed via ``qkv_layer``/``kv_layer``).
 
         ``attn_mask_type_per_seq`` / ``thd_sequence_is_causal`` give each packed sequence its own
-        mask policy (THD only); see :mod:`.per_seq_policy`.
+        mask policy (THD only); see :mod:`.prepare.policies`.
 
         ``inference_params`` (TE's ``InferenceParams``): the step's K/V are appended to this
         layer's cache (``layer_number``) and the queries attend over everything cached, with the
         lengths of the last ``pre_step``; see :mod:`.prepare.kv_cache`.
 
-        ``_packed_seqs`` is private (not TE's): both THD sides as :func:`.thd.prepare_sides`
-        returned them for this call's cu_seqlens, max_seqlens and pad_between_seqs
-        (MultiheadAttention's rotary path has built them already); not read under context
-        parallelism, which prepares the global metadata itself.
+        ``_packed_seqs`` is private (not TE's): both THD sides as
+        :func:`.prepare.packed_seqs.prepare_sides` returned them for this call's cu_seqlens,
+        max_seqlens and pad_between_seqs (MultiheadAttention's rotary path has built them
+        already); not read under context parallelism, which prepares the global metadata itself.
         """
         if fp8_output:
             raise NotImplementedError("fp8_output is not implemented; pass False")
@@ -190,7 +190,7 @@ class DotProductAttention(torch.nn.Module):
             inp = recipe.inputs(self, layers, cus, max_seqlens, _packed_seqs, attn_mask_type_per_seq, thd_sequence_is_causal,
                                 num_splits, fp8)
             fmt, backend = recipe.qkv_format, recipe.selection.backend
-            self.__dict__["last_selection"] = recipe.selection  # past nn.Module.__setattr__ (see _select)
+            self._set_last_selection(recipe.selection)
         else:
             fmt = check_format(qkv_format if qkv_format is not None else self.qkv_format)
             qkv = resolve_qkv(*layers, qkv_interleave_dim, fmt)
@@ -260,7 +260,7 @@ class DotProductAttention(torch.nn.Module):
             recipe = dataclasses.replace(recipe, backend=backend, selection=None if compiling() else self.last_selection)
             remember(self._recipes, key, recipe)
         else:
-            object.__setattr__(self, "last_selection", recipe.selection)
+            self._set_last_selection(recipe.selection)
         with torch.no_grad():  # forward only (selection refused gradients in training mode)
             inp = recipe.inputs(self, inference_params, layers)
             out = inp.kv_cache.output_from_thd(recipe.backend.run_kv_cache(inp))  # the step's format (sbhd transposed back)
@@ -279,10 +279,13 @@ class DotProductAttention(torch.nn.Module):
         selection = require_backend(params)
         if inp is not None:
             selection = tuned(selection, params, inp, self.training)
-        # What ran, and why not the others (for reports). Set past nn.Module.__setattr__, which
-        # costs microseconds per call looking for parameters and submodules.
-        object.__setattr__(self, "last_selection", selection)
+        self._set_last_selection(selection)
         return selection.backend
+
+    def _set_last_selection(self, selection) -> None:
+        """What ran, and why not the others (for reports). Set past nn.Module.__setattr__, which
+        costs microseconds per call looking for parameters and submodules."""
+        self.__dict__["last_selection"] = selection
 
     # TE's checkpoint entry ``_extra_state`` (FP8 state; empty without FP8): see extra_state.py.
     get_extra_state, set_extra_state = extra_state.get_extra_state, extra_state.set_extra_state

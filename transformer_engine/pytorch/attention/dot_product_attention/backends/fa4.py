@@ -1,5 +1,5 @@
 """flash-attn-4 (``flash_attn.cute``): its support declaration, the translation of a call into
-its arguments (:class:`_FA4Kernel`, the kernel interface of :mod:`..kernel_problem`) and the
+its arguments (:class:`_FA4Kernel`, the kernel interface of :mod:`.kernel_problem`) and the
 registered ops around the library.
 
 The FA4 ops write into caller-provided buffers (``out``/``lse``, ``dq``/``dk``/``dv``): FA4 leaves
@@ -249,7 +249,7 @@ class FlashAttentionV4(FlashAttention):
 
 
 class _FA4Kernel:
-    """The kernel interface (:mod:`..kernel_problem`) on flash_attn.cute (FA4): run offsets as
+    """The kernel interface (:mod:`.kernel_problem`) on flash_attn.cute (FA4): run offsets as
     cu_seqlens, valid lengths as seqused_q/k; the log-sum-exp is [H, T] (varlen) or [B, H, S]
     (dense).
 
@@ -289,14 +289,10 @@ class _FA4Kernel:
         # -exp(sink - lse) * rowsum(dO * O) over the rows it runs).
         dsink = None if features.sink is None else torch.zeros_like(features.sink)
         det = torch.are_deterministic_algorithms_enabled()
-        bwd = kernel_ops.ops.fa4_bwd if dsink is None else kernel_ops.ops.fa4_bwd_sink
+        bwd, sink_args = (kernel_ops.ops.fa4_bwd, ()) if dsink is None else (kernel_ops.ops.fa4_bwd_sink, (features.sink, dsink))
         for run in problem.runs:
-            args = (dout, q, k, v, out, stats[0], dq, dk, dv, *_run_args(problem, run), problem.softmax_scale,
-                    *mask_args(run.spec), det)
-            if dsink is None:
-                bwd(*args)
-            else:
-                bwd(*args, features.sink, dsink)
+            bwd(dout, q, k, v, out, stats[0], dq, dk, dv, *_run_args(problem, run), problem.softmax_scale,
+                *mask_args(run.spec), det, *sink_args)
         if problem.rows_q is not None:
             kernel_ops.ops.zero_gap_rows_qkv(dq, dk, dv, *problem.rows_q, *problem.rows_kv, -1)
         return dq, dk, dv, None, dsink

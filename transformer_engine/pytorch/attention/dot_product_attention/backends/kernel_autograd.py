@@ -1,5 +1,5 @@
 """The module's autograd around the kernels that write into caller buffers (FA4, cuDNN), on the
-kernel interface of :mod:`..kernel_problem`: :func:`run_kernel` describes the prepared call as
+kernel interface of :mod:`.kernel_problem`: :func:`run_kernel` describes the prepared call as
 one :class:`KernelProblem` (runs from the THD plan) and runs the backend's ``forward`` and
 ``backward`` with the NaN guard, the bias and sink in the kernels' form, dropout's Philox
 state, and TE's max logit where the kernel returns one.

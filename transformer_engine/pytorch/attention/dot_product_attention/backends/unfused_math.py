@@ -4,7 +4,7 @@ checked against.
 Shape legend: B = batch, H = query heads, HG = key/value heads, SQ/SKV = lengths, D = head dim,
 T = packed tokens, R = query rows of one chunk.
 
-Equivalent, per sequence and head (``allowed`` from :mod:`.masks`, rows with no allowed key
+Equivalent, per sequence and head (``allowed`` from :mod:`..masks`, rows with no allowed key
 give 0)::
 
     scores = scores_hook(q @ k.T * scale (+ bias))          # [SQ, SKV]

@@ -111,7 +111,7 @@ def check_layout(size: int, qkv_format: str, qkv, cus, pad_between_seqs) -> None
     seq_dim = 0 if qkv_format == "sbhd" else 1
     for name, t in (("query_layer", qkv.q), ("key_layer", qkv.k)):
         s = t.shape[seq_dim] if t.dim() == 4 else 0  # a wrong rank is the preparation's error
-        if (s * size) % (2 * size):
+        if s % 2:  # s x size divides by 2 x size exactly when s is even
             raise ValueError(f"{name}: the global sequence length ({s} local rows x cp size {size}) must be divisible by "
                              f"2 x cp size = {2 * size} under context parallelism")
 

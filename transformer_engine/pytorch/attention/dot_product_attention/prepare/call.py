@@ -64,11 +64,11 @@ def prepare(
 
     ``cus`` = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded);
     ``max_seqlens`` = (q, kv); ``per_seq`` / ``is_causal`` are ``attn_mask_type_per_seq`` /
-    ``thd_sequence_is_causal``. ``packed``: both THD sides as :func:`.thd.prepare_sides` already
-    returned them for these same arguments (MultiheadAttention's rotary path), not built again;
-    not read under context parallelism (``cp_size`` > 1: this rank holds 1/cp_size of the rows,
-    see the module docstring). ``num_splits``: the forward's split-KV hint, checked by the caller
-    (``check_num_splits``).
+    ``thd_sequence_is_causal``. ``packed``: both THD sides as
+    :func:`.packed_seqs.prepare_sides` already returned them for these same arguments
+    (MultiheadAttention's rotary path), not built again; not read under context parallelism
+    (``cp_size`` > 1: this rank holds 1/cp_size of the rows, see the module docstring).
+    ``num_splits``: the forward's split-KV hint, checked by the caller (``check_num_splits``).
     ``fp8``: the call's FP8 context (:func:`..fp8.context.fp8_call_context`), None in high precision.
     """
     check_qkv(qkv.q, qkv.k, qkv.v, qkv_format, module.num_attention_heads_per_partition, module.num_gqa_groups_per_partition,

@@ -12,7 +12,7 @@ fixed token count keep hitting the cache as their sequence counts and lengths ch
 selection reads neither (``test_fast_path`` checks it over every backend's declaration), and
 the checks that do read them are repeated here. Per-sequence policies take the fast path too:
 their spelling, the dict's keys, the id tensors' metadata and the batch size are in the key,
-the parsed policies in the recipe (:class:`.per_seq_policy.PolicyRecipe`), and each call
+the parsed policies in the recipe (:class:`.policies.PolicyRecipe`), and each call
 builds only its device tensor of policy indices. Always on the full path: calls whose extra
 tensors matter beyond their metadata (attention_mask, a bias, alibi_slopes), THD calls
 without max_seqlen (it is derived with a sync), dense calls with cu_seqlens, layouts found by
@@ -52,14 +52,14 @@ class CallRecipe:
     interleave_dim: int
     q_padded: bool  # THD: the queries' offsets are cu_seqlens_q_padded (else cu_seqlens_q)
     kv_padded: bool
-    static: Mapping[str, Any]  # params.static_half of the full path's inputs
+    static: Mapping[str, Any]  # inputs.static_half() of the full path's inputs
     selection: Any  # selection.BackendSelection
     policy: Optional[PolicyRecipe] = None  # THD calls given per-sequence policies
 
     def inputs(self, module, layers: Sequence[Optional[torch.Tensor]], cus, max_seqlens,
                packed: Optional[PackedSides] = None, per_seq=None, is_causal=None,
                num_splits: Optional[int] = None, fp8=None) -> AttentionInputs:
-        """The call's inputs as :func:`.prepare.prepare` would build them (``packed``: both THD
+        """The call's inputs as :func:`.call.prepare` would build them (``packed``: both THD
         sides already prepared by the caller for these arguments; ``per_seq`` / ``is_causal``:
         the call's ``attn_mask_type_per_seq`` / ``thd_sequence_is_causal``; ``num_splits``: its
         split-KV hint, a per-call field; ``fp8``: its FP8 context, a per-call

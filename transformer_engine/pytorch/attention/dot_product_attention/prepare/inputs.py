@@ -24,7 +24,7 @@ BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
 @dataclass(frozen=True, eq=False)
 class AttentionInputs:
     """The tensors and resolved options of one call: built once, complete, by
-    :func:`.prepare.prepare` (the full path) or :meth:`.fast_path.CallRecipe.inputs` (a repeat),
+    :func:`.call.prepare` (the full path) or :meth:`.fast_path.CallRecipe.inputs` (a repeat),
     then only read. Derive a variant with ``dataclasses.replace``.
 
     ``q``/``k``/``v`` are [B, S, H, D] for dense formats (sbhd arrives as a transposed view)
@@ -88,7 +88,9 @@ class AttentionInputs:
         """Whether every sequence is known, from host facts, to have sq == skv: THD with one
         ``cu_seqlens`` tensor for both sides (the valid lengths; padded offsets may differ), or a
         dense batch with equal lengths and no padding. The one home of this fact: selection
-        (``AttentionParams.shared_cu_seqlens``) and the cuDNN runner both read it."""
+        (``AttentionParams.shared_cu_seqlens``, filled from it) and the cuDNN runner both read
+        it. ``AttentionParams.same_lengths`` derives the same answer from host facts alone, for
+        params built by hand without tensors."""
         if self.is_thd:
             return self.packed_q.cu_seqlens is self.packed_kv.cu_seqlens
         return self.q.shape[1] == self.k.shape[1] and self.q_valid is None and self.kv_valid is None

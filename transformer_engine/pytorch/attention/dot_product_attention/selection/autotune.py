@@ -178,16 +178,17 @@ def measure(backend: type, inp, training: bool, how: str) -> float:
 
 def _step(backend: type, inp, training: bool) -> Callable[[], None]:
     """One call of ``backend`` on detached views of ``inp``'s tensors (and its backward, when
-    the call wants gradients): the caller's autograd graph is never touched."""
-    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (inp.q, inp.k, inp.v))
-    leaves = [t.detach().requires_grad_(t.requires_grad) for t in (inp.q, inp.k, inp.v)]
-    timed = dataclasses.replace(inp, q=leaves[0], k=leaves[1], v=leaves[2])
-    wanted = [t for t in leaves if t.requires_grad]
+    the call wants gradients: q, k, v or the learnable sink, as selection reads it): the
+    caller's autograd graph is never touched."""
+    given = dict(q=inp.q, k=inp.k, v=inp.v, softmax_offset=inp.softmax_offset)
+    leaves = {name: t.detach().requires_grad_(t.requires_grad) for name, t in given.items() if t is not None}
+    timed = dataclasses.replace(inp, **leaves)
+    wanted = [t for t in leaves.values() if t.requires_grad] if torch.is_grad_enabled() else []
 
     def step() -> None:
         out = backend.run(timed, training)
         out = out[0] if isinstance(out, tuple) else out
-        if grads and wanted:
+        if wanted:
             torch.autograd.grad(out, wanted, torch.ones_like(out), allow_unused=True)
 
     return step

@@ -112,12 +112,12 @@ class AttentionParams:
         return (MaskSpec(self.attn_mask_type, self.window_size),)
 
     @property
-    def paged_kv_cache(self) -> bool:
-        return self.kv_cache and self.kv_page_size is not None
-
-    @property
     def same_lengths(self) -> bool:
-        """Whether every sequence is known (from host facts) to have sq == skv."""
+        """Whether every sequence is known (from host facts) to have sq == skv: the module's
+        calls fill shared_cu_seqlens from :attr:`AttentionInputs.same_lengths` (the fact's home,
+        read from the tensors), and this reads it back. A second spelling because params are
+        also built by hand, without tensors (TE's spelling, ``dataclasses.replace``): a stored
+        copy of the record's value would go stale when a replace changes the facts it follows."""
         if self.qkv_format == "thd":
             return self.shared_cu_seqlens
         return self.max_seqlen_q == self.max_seqlen_kv and not self.has_padding_mask
