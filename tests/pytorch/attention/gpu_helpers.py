@@ -49,10 +49,9 @@ def run_on(label, dpa, *args, expect_refusal=None, **kwargs):
     configuration the test FAILS, unless it passes ``expect_refusal`` (text that the refusal's
     reasons must contain, e.g. "attention_mask="): then it is skipped with those reasons. A call
     that runs although a refusal was expected fails too (the declaration changed; update the test)."""
-    name = "unfused" if label == "unfused" else label
     want = "UnfusedDotProductAttention" if label == "unfused" else label
     try:
-        with backend_scope(allow=[name]):
+        with backend_scope(allow=[label]):
             out = dpa(*args, **kwargs)
     except NotImplementedError as err:
         if expect_refusal is None:

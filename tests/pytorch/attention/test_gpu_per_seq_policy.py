@@ -126,7 +126,8 @@ def test_gpu_policy_hit_equals_full_path(label, spelling, full_paths):
     got = outputs(dpa, p, kw)
     assert len(full_paths) == 1
     want = outputs(DotProductAttention(H, 128, qkv_format="thd", attn_mask_type="padding"), p, kw)
-    # exact: the same FA4 configuration on the same data (its forward is deterministic)
+    # exact: the same backend (FA4 or cuDNN, per `label`) and configuration on the same data, and
+    # both forwards are deterministic
     assert torch.equal(got[0], want[0])
     for a, b in zip(got[1:], want[1:]):
         assert torch.isfinite(a).all() and rel_err(a, b) < 1e-3

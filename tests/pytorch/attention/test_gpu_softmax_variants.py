@@ -15,6 +15,7 @@ from transformer_engine.pytorch.attention.dot_product_attention.selection.librar
 
 from .gpu_helpers import rel_err, run_on
 from .packing import make_thd
+from .reference import allowed_matrix, max_logit_one
 
 pytestmark = pytest.mark.gpu
 H, D = 4, 128
@@ -106,6 +107,6 @@ def test_return_max_logit_runs_on_the_unfused_backend_on_cuda():
     q = torch.randn(2, 64, H, D, device="cuda", dtype=torch.bfloat16)
     dpa = DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="causal", return_max_logit=True)
     out, max_logit = run_on("unfused", dpa, q, q, q)  # cuDNN's is test_gpu_cudnn_features'
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), q.float()) / D ** 0.5
-    scores = scores.masked_fill(~torch.ones(64, 64, dtype=torch.bool, device="cuda").tril(), float("-inf"))
-    assert torch.allclose(max_logit, scores.amax(dim=(0, 2, 3)), rtol=1e-5, atol=1e-5)
+    allowed = allowed_matrix(64, 64, "causal")
+    want = torch.stack([max_logit_one(q[i], q[i], allowed, D ** -0.5) for i in range(2)]).amax(0)
+    torch.testing.assert_close(max_logit, want.float(), rtol=1e-5, atol=1e-5)

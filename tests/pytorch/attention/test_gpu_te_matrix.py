@@ -1,9 +1,9 @@
 """TE's attention test configurations (te_matrix.py) on the GPU: every case runs on
-FlashAttention v4 and on FusedAttention in worker processes, started once for the groups that
-the selected tests need, so a crash that poisons one process cannot hide the other cases; each
-test then reads its case's result: it passes when the backend ran and matched the float64
-reference, or when selection refused the case with the backend's own reason. A case that
-passed in the recorded H200 run (te_matrix_expected.json) must keep passing.
+FlashAttention v4 and on FusedAttention in worker processes (te_matrix_driver.py), started once
+for the groups that the selected tests need, so a crash that poisons one process cannot hide the
+other cases; each test then reads its case's result: it passes when the backend ran and matched
+the float64 reference, or when selection refused the case with the backend's own reason. A case
+that passed in the recorded H200 run (te_matrix_expected.json) must keep passing.
 
     python -m pytest -q tests/pytorch/attention/test_gpu_te_matrix.py   # TE_MATRIX_JOBS=8 workers
 """
@@ -16,6 +16,7 @@ import os
 import pytest
 
 from . import te_matrix as tm
+from .te_matrix_driver import drive, drive_group, summary
 
 pytestmark = pytest.mark.gpu
 CASES = tm.all_cases()
@@ -37,11 +38,11 @@ def needed_groups(items) -> set:
 def gpu_results(request):
     """Runs the worker processes once, for every group that a selected test of this file needs."""
     needed = needed_groups(request.session.items)
-    results = tm.drive("cuda", tm.GPU_BACKENDS, jobs=int(os.environ.get("TE_MATRIX_JOBS", "8")), only_groups=needed)
+    results = drive("cuda", tm.GPU_BACKENDS, jobs=int(os.environ.get("TE_MATRIX_JOBS", "8")), only_groups=needed)
     if os.environ.get("TE_MATRIX_OUT"):
         with open(os.environ["TE_MATRIX_OUT"], "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in results)
-    print("\n" + tm.summary(results))
+    print("\n" + summary(results))
     return {(r["backend"], r["id"]): r for r in results}
 
 
@@ -78,7 +79,7 @@ def test_worker_processes_survive_a_crash(monkeypatch):
     monkeypatch.setattr(tm, "GROUP_SIZE", 4)
     monkeypatch.setenv("TE_MATRIX_CRASH_AT", cases[1].id)
     monkeypatch.setenv("TE_MATRIX_GROUP_SIZE", "4")
-    results = tm.drive_group(group, "cpu", len(cases))
+    results = drive_group(group, "cpu", len(cases))
     assert [r["index"] for r in results] == [0, 1, 2, 3]
     assert [r["status"] for r in results] == ["pass", "fail", "pass", "pass"]
     assert "worker died (rc 134)" in results[1]["detail"]

@@ -25,6 +25,7 @@ from transformer_engine.pytorch.attention.dot_product_attention.masks import Att
 from transformer_engine.pytorch.attention.dot_product_attention.selection.libraries import InstalledLibraries
 
 from .packing import make_thd
+from .reference import allowed_matrix, max_logit_one
 from .stand_ins.cudnn import GARBAGE
 
 H, HG, D = 4, 2, 8
@@ -45,9 +46,9 @@ def test_max_logit_includes_the_bias_and_ignores_the_sink():
     with torch.no_grad():
         dpa.softmax_offset.fill_(50.0)  # a sink far above every score must not show up
     out, max_logit = dpa(q, k, v, core_attention_bias_type="post_scale_bias", core_attention_bias=bias)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D) + bias
-    scores = scores.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), -math.inf)
-    torch.testing.assert_close(max_logit, scores.amax(dim=(0, 2, 3)), rtol=1e-10, atol=1e-10)
+    allowed = allowed_matrix(5, 5, "causal")
+    want = torch.stack([max_logit_one(q[i], k[i], allowed, 1 / math.sqrt(D), bias[0]) for i in range(2)]).amax(0)
+    torch.testing.assert_close(max_logit, want, rtol=1e-10, atol=1e-10)
     assert max_logit.shape == (H,) and not max_logit.requires_grad
     assert out.shape == (2, 5, H * D)
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 
 from . import te_matrix as tm
+from .te_matrix_run import refusal_reason, run_case
 
 CASES = tm.all_cases()
 
 
 @pytest.mark.parametrize("case", tm.cpu_cases(), ids=lambda c: c.id)
 def test_cpu_unfused(case):
-    r = tm.run_case(case, "unfused", "cpu")
+    r = run_case(case, "unfused", "cpu")
     assert r["status"] == "pass", r["detail"]
 
 
@@ -51,5 +52,5 @@ def test_refusal_reason_is_read_from_the_report():
     report = ("no attention backend supports this configuration:\nselected: none\n"
               "  FlashAttention v4: head_dim_v=64 != head_dim_qk=128 with gradients (supported: equal)\n"
               "  FusedAttention: NVTE_FUSED_ATTN=0 (supported: unset or 1 (switched off by the environment))")
-    assert tm.refusal_reason(report, "FlashAttention v4").startswith("head_dim_v=64")
-    assert tm.refusal_reason(report, "FlashAttention v3") is None
+    assert refusal_reason(report, "FlashAttention v4").startswith("head_dim_v=64")
+    assert refusal_reason(report, "FlashAttention v3") is None

@@ -25,6 +25,7 @@ from transformer_engine.pytorch.attention.dot_product_attention.backends.gap_row
 from .gpu_helpers import env, grads_of
 from .packing import GAP_CASES, check_gaps_vs_dense_packing, make_thd
 from .reference import reference_thd
+from .test_unfused_memory import PeakMemory
 
 H = 4
 
@@ -278,8 +279,14 @@ def test_bounded_kv_lengths_follow_the_kv_slots_when_cu_seqlens_are_shared():
 
 def test_large_batch_of_short_sequences_runs_on_cpu():
     """32k tokens of short sequences: memory follows sum(s_i^2), not b * max_s^2."""
-    lengths = [64] * 500 + [768]
-    p = make_thd(lengths, h=2, hg=2, d=16, dtype=torch.float32)
-    dpa = DotProductAttention(2, 16, qkv_format="thd", attn_mask_type="padding_causal")
-    out = dpa(p.q, p.k, p.v, **p.kwargs(False, 768, 768))
+    lengths, h = [64] * 500 + [768], 2
+    p = make_thd(lengths, h=h, hg=h, d=16, dtype=torch.float32)
+    dpa = DotProductAttention(h, 16, qkv_format="thd", attn_mask_type="padding_causal")
+    with PeakMemory([p.q, p.k, p.v]) as mode:
+        out = dpa(p.q, p.k, p.v, **p.kwargs(False, 768, 768))
     assert out.shape == (sum(lengths), 32) and torch.isfinite(out).all()
+    # With gradients this small call keeps every sequence's P (1.5 float32 copies of the sum
+    # measured). b * max_s^2 would be 2.4 GB of float32 scores, 268 MB even cut into chunks of the
+    # default budget (2**26 scores), where the bound below is 42 MB.
+    per_sequence_scores = 4 * h * sum(s * s for s in lengths)
+    assert h * 768 * 768 * 4 <= mode.peak <= 2 * per_sequence_scores, mode.peak

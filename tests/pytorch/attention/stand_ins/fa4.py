@@ -66,7 +66,7 @@ def _kv_rows(kw: dict, name: str, b: int, start: int, m: int) -> torch.Tensor:
     t, table = kw[name], kw.get("page_table")
     if table is not None:
         page = t.shape[1]
-        end = min(tile_end(0, m, table.shape[1] * page), table.shape[1] * page)
+        end = tile_end(0, m, table.shape[1] * page)  # capped at the pages' rows
         return t[table[b, : -(-end // page)].long()].flatten(0, 1)[:end]
     if kw.get("cu_seqlens_k") is None:
         return t[b, : tile_end(0, m, t.shape[1])]
