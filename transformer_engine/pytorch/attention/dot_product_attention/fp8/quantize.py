@@ -147,9 +147,9 @@ def kernel_s_scale(quantizer: Quantizer) -> torch.Tensor:
     value is 1, before dividing by the row sum; the amax it reports (and delayed scaling scales
     from) is that of the normalized softmax, below 1 wherever a row sees several keys. The
     recipe's ``fp8_max / amax_s`` then saturates the row's largest entries: on the H200 a
-    non-causal 512-token call was 4x further from float64 (2.6e-2 of the range against 3.5e-3;
-    ``benchmarks/results``, probe_fp8_softmax_scale). Capped at ``fp8_max`` nothing saturates;
-    the state keeps TE's scale."""
+    non-causal call of 2 x 512 tokens came out 4.6e-2 of the range from float64 uncapped, 5.0e-3
+    capped (benchmarks/attention/probe_fp8_softmax_scale.py; its run is in benchmarks/results/).
+    Capped at ``fp8_max`` nothing saturates; the state keeps TE's scale."""
     return torch.clamp(quantizer.scale, max=quantizer.fp8_max)
 
 
