@@ -4,7 +4,7 @@
 Both calls run DotProductAttention on FusedAttention in an FP8 region (delayed scaling), no
 gradients, after a warm-up (graphs built, Triton compiled). The kernels are grouped: ``cast_fp8``
 (this package's one-pass amax + FP8 cast), cuDNN's attention kernel, and the rest (scalar
-tables, the amax bookkeeping, O's dequantization). Expected: one cast with qkv_layer, three with
+tables, the amax bookkeeping, O's dequantization), each with its GPU time. Expected: one cast with qkv_layer, three with
 separate tensors; everything else the same. Writes fp8_kernels.json and fp8_kernels.md to --out.
 
   python benchmarks/attention/profile_fp8_kernels.py --out DIR [--tokens 8192 --heads 16]
@@ -20,8 +20,12 @@ from pathlib import Path
 import torch
 
 
+GPU_US: dict = {}  # kernel name -> GPU microseconds in the profiled call (of the last run profiled)
+
+
 def kernels_of(call) -> Counter:
-    """{kernel name: launches} of one ``call()`` (after one call to warm up)."""
+    """{kernel name: launches} of one ``call()`` (after one call to warm up); their GPU time
+    goes to :data:`GPU_US`."""
     from torch.profiler import ProfilerActivity, profile
 
     call()
@@ -29,7 +33,10 @@ def kernels_of(call) -> Counter:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         call()
         torch.cuda.synchronize()
-    return Counter({e.key: e.count for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count})
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count]
+    GPU_US.clear()
+    GPU_US.update({e.key: e.self_device_time_total for e in events})
+    return Counter({e.key: e.count for e in events})
 
 
 def group(name: str) -> str:
@@ -66,20 +73,26 @@ def main() -> None:
     layer = torch.randn(1, args.tokens, 3, h, d, device="cuda", dtype=torch.bfloat16)
     q, k, v = (layer[:, :, i].contiguous() for i in range(3))
     dpa = te.DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="causal")
-    runs = {"qkv_layer": kernels_of(forward_call(dpa, qkv_layer=layer)),
-            "separate q/k/v": kernels_of(forward_call(dpa, query_layer=q, key_layer=k, value_layer=v))}
+    runs, times = {}, {}
+    for name, inputs in (("qkv_layer", dict(qkv_layer=layer)), ("separate q/k/v", dict(query_layer=q, key_layer=k, value_layer=v))):
+        runs[name] = kernels_of(forward_call(dpa, **inputs))
+        times[name] = dict(GPU_US)
     assert dpa.last_selection.label == "FusedAttention", dpa.last_selection.report()
     summary = {name: dict(total=sum(c.values()), **{g: sum(n for k_, n in c.items() if group(k_) == g)
                                                     for g in ("cast_fp8 (amax + FP8 cast)", "cuDNN attention", "other")})
                for name, c in runs.items()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fp8_kernels.json").write_text(json.dumps(dict(summary=summary, kernels={n: dict(c) for n, c in runs.items()}), indent=1))
+    for name, t in times.items():
+        summary[name]["other_us"] = round(sum(us for k_, us in t.items() if group(k_) == "other"), 1)
+    (out / "fp8_kernels.json").write_text(json.dumps(dict(summary=summary, kernels={n: dict(c) for n, c in runs.items()},
+                                                           gpu_us=times), indent=1))
     lines = [f"Kernels of one FP8 forward (bshd, 1 x {args.tokens} tokens, {h} heads, d{d}, causal, no gradients):", "",
-             "| inputs | total | cast_fp8 | cuDNN attention | other |", "|---|---|---|---|---|"]
-    lines += [f"| {n} | {s['total']} | {s['cast_fp8 (amax + FP8 cast)']} | {s['cuDNN attention']} | {s['other']} |" for n, s in summary.items()]
+             "| inputs | total | cast_fp8 | cuDNN attention | other | other's GPU us |", "|---|---|---|---|---|---|"]
+    lines += [f"| {n} | {s['total']} | {s['cast_fp8 (amax + FP8 cast)']} | {s['cuDNN attention']} | {s['other']} | {s['other_us']} |"
+              for n, s in summary.items()]
     for name, c in runs.items():
-        lines += ["", f"{name}:", ""] + [f"- {n} x {k_}" for k_, n in sorted(c.items())]
+        lines += ["", f"{name}:", ""] + [f"- {n} x {k_[:150]} ({times[name][k_]:.1f} us)" for k_, n in sorted(c.items())]
     (out / "fp8_kernels.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -1,7 +1,11 @@
 """Where the time goes on launch-bound batches (many short sequences): host time per call,
 the GPU kernels each path launches, and both paths replayed from a CUDA graph (GPU time only).
 
-    python benchmarks/attention/profile_small.py [--head-dims 64,128]
+    python benchmarks/attention/profile_small.py [--head-dims 64,128] [--paths direct,DPA] [--batches many-short]
+
+``--paths DPA`` times DotProductAttention alone: the public API only, so an older checkout of
+the package (``host_before_after.sh``) runs it even where the direct cuDNN harness has no
+matching op there.
 """
 
 from __future__ import annotations
@@ -80,14 +84,21 @@ def kernels(step, n=5) -> str:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--paths", default="direct,DPA", help="comma list of direct, DPA")
+    ap.add_argument("--batches", default="many-short", help=f"comma list of {', '.join(BATCHES)}")
     args = ap.parse_args()
-    lengths = BATCHES["many-short"]
-    for d in [int(x) for x in args.head_dims.split(",")]:
+    for batch in args.batches.split(","):
+        run_batch(batch, BATCHES[batch], [int(x) for x in args.head_dims.split(",")], args.paths.split(","))
+
+
+def run_batch(batch, lengths, head_dims, wanted):
+    for d in head_dims:
         for causal in (True, False):
             mask = "padding_causal" if causal else "padding"
             for lib, direct in (("FA4", fa4_direct), ("cuDNN", cudnn_direct)):
                 with Env(ONLY[lib]):
                     build = {"direct": lambda: steps(*direct(lengths, d, causal)), "DPA": lambda: steps(*dpa_thd(lengths, d, mask)[:2])}
+                    build = {name: make for name, make in build.items() if name in wanted}
                     paths = {name: make() for name, make in build.items()}
                     for tag in ("fwd", "fwd+bwd"):
                         line = []
@@ -96,7 +107,7 @@ def main():
                             # runs on the default stream would make the capture touch that stream.
                             line.append(f"{name}: host {host_us(s[tag]):.0f} us, eager {bench(s[tag]):.3f} ms, "
                                         f"graphed {graphed_ms(build[name]()[tag]):.3f} ms")
-                        print(f"[small] {lib} d={d} {mask} {tag}: " + "; ".join(line), flush=True)
+                        print(f"[small] {batch} {lib} d={d} {mask} {tag}: " + "; ".join(line), flush=True)
                     if d == 64 and causal and os.getenv("PROFILE_KERNELS", "1") == "1":
                         for name, s in paths.items():
                             print(f"[kernels] {lib} d={d} {mask} fwd+bwd {name}\n{kernels(s['fwd+bwd'])}", flush=True)

@@ -225,8 +225,10 @@ class FP8GlobalStateManager:
                 continue
             refs[:] = [weakref.ref(s) for s in live]
             rows = [s.amax_row(forward) for s in live]
-            amax = torch.cat(rows)
-            if recipe.reduce_amax and _group_size(group) > 1:
+            reducing = recipe.reduce_amax and _group_size(group) > 1
+            # One registrant and no reduction: its own row (the update reads it before writing).
+            amax = rows[0] if len(rows) == 1 and not reducing else torch.cat(rows)
+            if reducing:
                 torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
             for state, part in zip(live, amax.split([r.numel() for r in rows])):
                 state.apply_update(part, forward)

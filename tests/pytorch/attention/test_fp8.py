@@ -237,6 +237,44 @@ def test_callable_algorithms_get_the_history_and_the_amax():
     assert torch.equal(state.amax_history, torch.tensor([[0.0, 0.0], [4.0, 2.0]]))
 
 
+@pytest.mark.parametrize("length", [1, 2, 5])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_the_one_launch_update_equals_the_pytorch_one(length, algo):
+    """The Triton update (CUDA's; here through Triton's CPU interpreter) against the PyTorch
+    formulation, bit for bit: slots that ran and did not, amaxes of 0, inf, NaN and tiny ones,
+    NaN in the history, old scales of inf, a margin."""
+    pytest.importorskip("triton")
+    from transformer_engine.pytorch.attention.dot_product_attention.fp8 import state as state_mod
+
+    gen = torch.Generator().manual_seed(length)
+    history = torch.rand(length, 9, generator=gen) * 4
+    history[0, 1] = float("nan") if length > 1 else 0.0
+    history[-1, 2] = float("nan")
+    reduced = torch.tensor([0.0, 3.0, 0.5, float("inf"), float("nan"), 1e-45, 0.0, 2.0, 7.0])
+    history[0, 6] = 0.0  # slot 6: nothing ran this step
+    scale = torch.rand(9, generator=gen) + 0.5
+    scale[7] = float("inf")
+    recipe_ = delayed(amax_history_len=length, amax_compute_algo=algo, margin=1)
+    want, got = ScalingState(scale.clone(), history.clone()), ScalingState(scale.clone(), history.clone())
+    delayed_update(want, reduced.clone(), recipe_, E4M3_MAX)  # CPU tensors: the PyTorch formulation
+    state_mod._launch_update(got.amax_history, reduced.clone(), got.scale, recipe_, E4M3_MAX)
+    assert torch.equal(got.amax_history.nan_to_num(-1.0), want.amax_history.nan_to_num(-1.0))
+    assert torch.equal(got.scale, want.scale)
+
+
+def test_the_one_launch_update_runs_where_its_kernel_applies(monkeypatch):
+    """CUDA and the built-in algorithms take the kernel; a callable recipe hook keeps PyTorch."""
+    from transformer_engine.pytorch.attention.dot_product_attention.fp8 import state as state_mod
+
+    cuda_like = torch.zeros(2, 3)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(state_mod, "triton_available", lambda: True)
+    assert state_mod._one_launch(cuda_like, delayed())
+    assert not state_mod._one_launch(cuda_like, delayed(amax_compute_algo=lambda h: h.amax(0)))
+    assert not state_mod._one_launch(cuda_like, delayed(scaling_factor_compute_algo=lambda a, s, m, r: s))
+    assert not state_mod._one_launch(cuda_like.t(), delayed())
+
+
 # ---------------------------------------------------------------------------------- current scaling
 
 

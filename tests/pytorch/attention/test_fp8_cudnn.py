@@ -396,6 +396,29 @@ def test_triton_kernel_in_the_interpreter(with_rows):
         assert (got[~valid] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequantize_kernel_in_the_interpreter(dtype):
+    """The one-pass dequantization (float32(x8) * descale in the output dtype) against the
+    PyTorch formulation on a permuted dense tensor: same strides, same values (fp16 bit for bit;
+    the interpreter's bfloat16 cast truncates, so bf16 within one unit in the last place; the
+    GPU test checks those bits)."""
+    pytest.importorskip("triton")
+    from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import fp8_cast
+    from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn.fp8_cast_kernel import dequantize
+
+    x8 = (torch.randn(5, 7, 3, 16, generator=torch.Generator().manual_seed(4)) * 50).to(E4M3).transpose(1, 2)
+    descale = torch.tensor([[0.0371, 0.0, 0.0, 0.0]])[0, 0]
+    want = fp8_cast.dequantize(x8, descale, dtype)  # CPU: the PyTorch formulation
+    got = torch.empty_strided(x8.shape, x8.stride(), dtype=dtype)
+    n = x8.numel()
+    dequantize[(-(-n // 128),)](fp8_cast._flat(x8), fp8_cast._flat(got), descale, n, BLOCK=128)
+    assert got.stride() == want.stride()
+    if dtype == torch.float16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2.0 ** -7, atol=0.0)
+
+
 def test_benchmark_report_writes_rows_and_speedups(tmp_path):
     """benchmark_fp8.py's report (run on the H200 by the lead): partial rows, errors and the
     speedup table render without a GPU."""

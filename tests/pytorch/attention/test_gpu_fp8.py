@@ -283,6 +283,36 @@ def test_one_pass_cast_bits(dtype):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) and torch.equal(amax, want_amax)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_pass_dequantize_bits(dtype):
+    """The Triton dequantization writes PyTorch's bits (float32(x8) * descale, rounded once) in
+    the FP8 tensor's strides."""
+    from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn.fp8_cast import dequantize
+
+    x8 = (torch.randn(3, 1025, 8, 128, device="cuda") * 100).to(E4M3).transpose(1, 2)
+    descale = torch.tensor([0.0123], device="cuda")[0]
+    got = dequantize(x8, descale, dtype)
+    assert got.stride() == x8.stride() and torch.equal(got, (x8.float() * descale).to(dtype))
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_one_launch_update_bits(algo):
+    """The Triton delayed-scaling update equals the PyTorch one on the GPU, bit for bit."""
+    from transformer_engine.pytorch.attention.dot_product_attention.fp8 import state as state_mod
+
+    history = torch.rand(16, 9, device="cuda") * 4
+    history[3, 1] = float("nan")
+    reduced = torch.tensor([0.0, 3.0, 0.5, float("inf"), float("nan"), 1e-45, 0.0, 2.0, 7.0], device="cuda")
+    r = recipe.DelayedScaling(amax_history_len=16, amax_compute_algo=algo, margin=1)
+    got = state_mod.ScalingState(torch.rand(9, device="cuda") + 0.5, history.clone())
+    want = state_mod.ScalingState(got.scale.clone().cpu(), history.clone().cpu())
+    assert state_mod._one_launch(got.amax_history, r)
+    state_mod.delayed_update(got, reduced.clone(), r, 448.0)
+    state_mod.delayed_update(want, reduced.cpu(), r, 448.0)  # the CPU: PyTorch's formulation
+    assert torch.equal(got.scale.cpu(), want.scale)
+    assert torch.equal(got.amax_history.cpu().nan_to_num(-1.0), want.amax_history.nan_to_num(-1.0))
+
+
 def test_a_training_step_is_sync_free():
     """FP8 forward (its casts, tables, amaxes), the region's update, the FP8 backward and its
     update: no host sync (after a warm-up that builds the graphs)."""

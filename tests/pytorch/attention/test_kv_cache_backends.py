@@ -189,6 +189,39 @@ def test_unowned_rows_are_zeroed_unless_every_row_holds_a_token(fa4_lib, monkeyp
     assert zeroed == [(6, cfg.heads, cfg.d)] and torch.count_nonzero(out[2]) == 0 and torch.count_nonzero(out[:, 1]) == 0
 
 
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+def test_a_causal_decode_step_runs_every_entry_instead_of_zeroing(fa4_lib, monkeypatch, fmt):
+    """One query row per entry: FA4 runs every entry (seqused_q None) and the entry past the
+    batch, with no keys, comes out 0 from the kernel itself (as on the H200), so no zeroing
+    launch even while a graph could be capturing; a wider step keeps the zeroing."""
+    zeroed = []
+    real = kernel_ops._EAGER["zero_gap_rows"]
+    monkeypatch.setitem(kernel_ops._EAGER, "zero_gap_rows", lambda x, *rest: (zeroed.append(x.shape), real(x, *rest)))
+    cfg = _cfg(fmt, True)
+    params = cfg.params()
+    params.allocate_memory(1)
+    dpa = DotProductAttention(cfg.heads, cfg.d, num_gqa_groups=cfg.hkv, qkv_format=fmt, attn_mask_type="padding_causal",
+                              layer_number=1)
+    gen = torch.Generator().manual_seed(1)
+
+    def step(step_dict, batch, width):
+        params.pre_step(OrderedDict(step_dict))
+        shape = (batch, width) if fmt == "bshd" else (width, batch)
+        q, k, v = (torch.randn(*shape, h, cfg.d, dtype=torch.float64, generator=gen) for h in (cfg.heads, cfg.hkv, cfg.hkv))
+        with backend_scope(force="fa4"), torch.no_grad():
+            out = dpa(q, k, v, inference_params=params)
+        return out.view(*shape, cfg.heads, cfg.d)
+
+    step([(0, 3), (1, 2)], 2, 3)
+    zeroed.clear()
+    out = step([(0, 1), (1, 1)], 3, 1)  # a third batch entry: no sequence, no keys
+    assert _last_forward(fa4_lib)["seqused_q"] is None and zeroed == []
+    row = out[2] if fmt == "bshd" else out[:, 2]
+    assert torch.count_nonzero(row) == 0 and out.isfinite().all()
+    step([(0, 2)], 3, 2)
+    assert _last_forward(fa4_lib)["seqused_q"] is not None and zeroed == [(6, cfg.heads, cfg.d)]
+
+
 # ------------------------------------------------------------------ cuDNN (cudnn-frontend's graph API)
 
 

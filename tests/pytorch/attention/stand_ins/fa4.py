@@ -7,7 +7,8 @@ dense [B, S, H, D] with ``cu_seqlens_k`` None, or paged (pools [P, page, H, D] a
 ``page_table``); causal is bottom-right; windows ``window_size_left/right`` (None: unbounded);
 the output, the LSE ([H, T] varlen, [B, H, S] dense) and dQ/dK/dV are written only in the rows
 of the sequences run; K/V are read in whole tiles past each sequence end; the backward works from the LSE it is handed
-and, with ``learnable_sink``, returns the sink's gradient fourth. A sequence with keys but no
+and, with ``learnable_sink``, returns the sink's gradient fourth. An entry with query rows but no
+keys gets output 0 (probed on the H200: benchmarks/attention/probe_kv_zeroing.py). A sequence with keys but no
 query rows gets dK = dV = 0 (assumed, as kernels looping over key blocks write them; a
 context-parallel step can give a sequence no query rows)."""
 

@@ -8,7 +8,12 @@ its step lengths); the cache goes in as it is stored, without a copy: the non-pa
 lengths (probed on the H200 with flash-attn-4 4.0.0b36: both correct for decode and prefill
 chunks, page sizes 16 to 256, bottom-right causal; NaN in pages no table names never leaks).
 FA4 leaves the rows it does not run unwritten; those (padding rows of a bshd/sbhd step, the tail
-of a thd one) are zeroed afterwards. Forward only: selection keeps gradients away.
+of a thd one) are zeroed afterwards. A causal bshd/sbhd decode step (one query row per batch
+entry) needs no zeroing launch: FA4 runs every entry's row (``seqused_q`` None), and an entry
+past the batch, whose cached length is 0, comes out as zeros (an entry with queries and no keys
+is written 0 by flash-attn-4 4.0.0b36 on the H200: benchmarks/attention/probe_kv_zeroing.py).
+That is the launch a captured decode step, where the batch changes between replays, would
+otherwise pay every step. Forward only: selection keeps gradients away.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ def fa4_kv_fwd(
     out: torch.Tensor,
     page_table: Optional[torch.Tensor],
     cu_seqlens_q: torch.Tensor,
-    seqused_q: torch.Tensor,
+    seqused_q: Optional[torch.Tensor],
     seqused_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
@@ -70,7 +75,19 @@ def run_fa4_kv_cache(inp: AttentionInputs) -> torch.Tensor:
     """The KV call's output rows [rows, H, Dv] (rows no sequence owns 0)."""
     step, q = inp.kv_cache, inp.q
     out = kv_output_rows(inp)
-    kernel_ops.ops.fa4_kv_fwd(q, step.k_cache, step.v_cache, out, step.page_table, step.cu_seqlens_q_padded, step.seqlens_q,
-                              step.seqlens_kv, step.max_seqlen_q, step.max_seqlen_kv, inp.softmax_scale, *fa_mask_args(inp.mask))
-    zero_unowned_rows(out, inp)
+    mask = fa_mask_args(inp.mask)
+    every_row = decode_writes_every_row(step, mask)
+    kernel_ops.ops.fa4_kv_fwd(q, step.k_cache, step.v_cache, out, step.page_table, step.cu_seqlens_q_padded,
+                              None if every_row else step.seqlens_q, step.seqlens_kv, step.max_seqlen_q, step.max_seqlen_kv,
+                              inp.softmax_scale, *mask)
+    if not every_row:
+        zero_unowned_rows(out, inp)
     return out
+
+
+def decode_writes_every_row(step, mask) -> bool:
+    """Whether FA4, run on every batch entry's rows, writes each query row of the step: one row
+    per entry (bshd/sbhd, Sq = 1: an entry in the batch has exactly one token, as ``pre_step``
+    takes step lengths >= 1; an entry past it has no keys, and its row comes out 0) under the
+    causal mask of a decode (the case probed)."""
+    return step.qkv_format != "thd" and step.max_seqlen_q == 1 and mask == (True, -1, -1)

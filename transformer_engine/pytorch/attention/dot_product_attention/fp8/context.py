@@ -89,7 +89,7 @@ class FP8Context:
             return
         self.progress.forward_recorded = True
         row = self.state.fwd.amax_history[0]
-        row.copy_(torch.maximum(row, self.fwd_amax))
+        torch.maximum(row, self.fwd_amax, out=row)  # in place: one launch
 
     def finish_backward(self) -> None:
         """End of the call's backward: the region's first module updates the backward scales."""

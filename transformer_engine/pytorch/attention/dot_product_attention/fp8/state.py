@@ -13,6 +13,7 @@ scales, on the device, as TE's fused kernel does (see :func:`delayed_update`).
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from typing import Deque
 
@@ -77,6 +78,9 @@ def delayed_update(state: ScalingState, reduced: torch.Tensor, recipe: DelayedSc
     a callable ``scaling_factor_compute_algo(amax, scale, fp8_max, recipe)`` replaces the formula.
     """
     history, scale = state.amax_history, state.scale
+    if _one_launch(history, recipe):
+        _launch_update(history, reduced, scale, recipe, fp8_max)
+        return
     last = torch.where(reduced != 0, reduced, history[0])
     rolled = torch.cat([history[1:], last[None]])
     rolled[0] = 0
@@ -96,6 +100,32 @@ def delayed_update(state: ScalingState, reduced: torch.Tensor, recipe: DelayedSc
     scaled_max = torch.full_like(amax, fp8_max * 2.0 ** (-recipe.margin))
     new = torch.where(torch.isfinite(amax) & (amax > 0), scaled_max / amax, scale)
     scale.copy_(torch.where(torch.isinf(new), torch.full_like(new, FP32_MAX), new))
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """Whether Triton imports (the FP8 casts and the scale update have one-launch kernels)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _one_launch(history: torch.Tensor, recipe: DelayedScaling) -> bool:
+    """Whether the Triton kernel (:mod:`.update_kernel`) runs the update: on CUDA, for the
+    built-in algorithms (a callable recipe hook runs in PyTorch)."""
+    return (history.is_cuda and history.is_contiguous() and not callable(recipe.amax_compute_algo)
+            and recipe.scaling_factor_compute_algo is None and triton_available())
+
+
+def _launch_update(history: torch.Tensor, reduced: torch.Tensor, scale: torch.Tensor, recipe: DelayedScaling,
+                   fp8_max: float) -> None:
+    from .update_kernel import delayed_update as kernel
+
+    n = history.shape[1]
+    kernel[(1,)](history, reduced.contiguous(), scale, n, history.shape[0], fp8_max * 2.0 ** (-recipe.margin), FP32_MAX,
+                 WINDOW_MAX=recipe.amax_compute_algo == "max", BLOCK=max(16, 1 << (n - 1).bit_length()))
 
 
 class DPAFP8State:

@@ -12,20 +12,23 @@ cuDNN reads the bytes the CPU emulation computes with. On CUDA one Triton kernel
 (:mod:`.fp8_cast_kernel`) for a dense tensor; elsewhere (the CPU, strided views with holes)
 plain PyTorch does. The FP8 tensor keeps ``x``'s strides, so a declared packed buffer
 (``qkv_layer``) is cast ONCE and q/k/v are views of its FP8 copy (:func:`view_like`).
-:func:`dequantize` is ``float32(x8) * descale`` in the target dtype, as the emulation's.
+:func:`dequantize` is ``float32(x8) * descale`` in the target dtype, as the emulation's (one
+Triton kernel on CUDA: PyTorch's three passes over a float32 copy cost 0.3 ms of an 8k-token
+FP8 forward's 1.8 ms on the H200).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 
 from ...fp8.quantize import amax_of, scaled_cast
+from ...fp8.state import triton_available
 
 BLOCK = 2048
 MAX_PROGRAMS = 1024  # programs stride over the rest: at most this many atomics on one amax
+DEQUANT_BLOCK = 4096
 
 
 def fp8_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -40,8 +43,16 @@ def view_like(buf: torch.Tensor, base: torch.Tensor, t: torch.Tensor) -> torch.T
 
 
 def dequantize(x8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``float32(x8) * descale`` cast to ``dtype`` (``descale`` a 0-d float32 tensor)."""
-    return (x8.float() * descale).to(dtype)
+    """``float32(x8) * descale`` cast to ``dtype`` (``descale`` a 0-d float32 tensor), with
+    ``x8``'s strides; one Triton launch for a dense CUDA tensor (the same bits)."""
+    if not (x8.is_cuda and x8.numel() and _flat_dense(x8) and triton_available()):
+        return (x8.float() * descale).to(dtype)
+    from .fp8_cast_kernel import dequantize as kernel
+
+    out = torch.empty_strided(x8.shape, x8.stride(), dtype=dtype, device=x8.device)
+    n = x8.numel()
+    kernel[(-(-n // DEQUANT_BLOCK),)](_flat(x8), _flat(out), descale, n, BLOCK=DEQUANT_BLOCK)
+    return out
 
 
 def cast_fp8(x: torch.Tensor, q, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -77,19 +88,10 @@ def _flat_dense(t: torch.Tensor) -> bool:
 
 
 def _triton_fits(x: torch.Tensor, out: torch.Tensor, valid: Optional[torch.Tensor]) -> bool:
-    if x.device.type != "cuda" or out.stride() != x.stride() or not _flat_dense(x) or not _have_triton():
+    if x.device.type != "cuda" or out.stride() != x.stride() or not _flat_dense(x) or not triton_available():
         return False
     # Valid rows are read as flat index // row_elems: dim 0 must be the outermost in memory.
     return valid is None or x.stride(0) * x.shape[0] == x.numel()
-
-
-@functools.lru_cache(maxsize=None)
-def _have_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
