@@ -289,7 +289,7 @@ def test_one_pass_dequantize_bits(dtype):
     the FP8 tensor's strides."""
     from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn.fp8_cast import dequantize
 
-    x8 = (torch.randn(3, 1025, 8, 128, device="cuda") * 100).to(E4M3).transpose(1, 2)
+    x8 = (torch.randn(3, 1025, 8, 128, device="cuda") * 100).clamp(-448, 448).to(E4M3).transpose(1, 2)  # no NaN bytes
     descale = torch.tensor([0.0123], device="cuda")[0]
     got = dequantize(x8, descale, dtype)
     assert got.stride() == x8.stride() and torch.equal(got, (x8.float() * descale).to(dtype))
