@@ -237,7 +237,7 @@ def test_callable_algorithms_get_the_history_and_the_amax():
     assert torch.equal(state.amax_history, torch.tensor([[0.0, 0.0], [4.0, 2.0]]))
 
 
-@pytest.mark.parametrize("length", [1, 2, 5])
+@pytest.mark.parametrize("length", [1, 2, 5, 300])  # 300: three tiles of rows
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 def test_the_one_launch_update_equals_the_pytorch_one(length, algo):
     """The Triton update (CUDA's; here through Triton's CPU interpreter) against the PyTorch

@@ -295,15 +295,16 @@ def test_one_pass_dequantize_bits(dtype):
     assert got.stride() == x8.stride() and torch.equal(got, (x8.float() * descale).to(dtype))
 
 
+@pytest.mark.parametrize("length", [16, 1024])  # 1024: TE's default history, eight tiles of rows
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
-def test_one_launch_update_bits(algo):
+def test_one_launch_update_bits(algo, length):
     """The Triton delayed-scaling update equals the PyTorch one on the GPU, bit for bit."""
     from transformer_engine.pytorch.attention.dot_product_attention.fp8 import state as state_mod
 
-    history = torch.rand(16, 9, device="cuda") * 4
+    history = torch.rand(length, 9, device="cuda") * 4
     history[3, 1] = float("nan")
     reduced = torch.tensor([0.0, 3.0, 0.5, float("inf"), float("nan"), 1e-45, 0.0, 2.0, 7.0], device="cuda")
-    r = recipe.DelayedScaling(amax_history_len=16, amax_compute_algo=algo, margin=1)
+    r = recipe.DelayedScaling(amax_history_len=length, amax_compute_algo=algo, margin=1)
     got = state_mod.ScalingState(torch.rand(9, device="cuda") + 0.5, history.clone())
     want = state_mod.ScalingState(got.scale.clone().cpu(), history.clone().cpu())
     assert state_mod._one_launch(got.amax_history, r)

@@ -125,7 +125,12 @@ def _launch_update(history: torch.Tensor, reduced: torch.Tensor, scale: torch.Te
 
     n = history.shape[1]
     kernel[(1,)](history, reduced.contiguous(), scale, n, history.shape[0], fp8_max * 2.0 ** (-recipe.margin), FP32_MAX,
-                 WINDOW_MAX=recipe.amax_compute_algo == "max", BLOCK=max(16, 1 << (n - 1).bit_length()))
+                 WINDOW_MAX=recipe.amax_compute_algo == "max", BLOCK_L=min(128, _pow2(history.shape[0])), BLOCK_N=_pow2(n))
+
+
+def _pow2(n: int) -> int:
+    """The power of two >= n, at least 16 (Triton's smallest comfortable block)."""
+    return max(16, 1 << (n - 1).bit_length())
 
 
 class DPAFP8State:
