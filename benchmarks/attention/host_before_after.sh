@@ -19,6 +19,7 @@
 # Writes OUT_DIR/host_before_N.log and host_after_N.log ([small] lines of profile_small.py).
 set -euo pipefail  # a crashed profile run must fail the script, not leave a short log
 commit=$1 out=$2 runs=${3:-2}
+case $runs in ''|*[!0-9]*) echo "runs (the third argument, before any profile_small.py argument) must be a number; got '$runs'" >&2; exit 2;; esac
 shift $(( $# < 3 ? $# : 3 ))
 extra=("$@")
 [ ${#extra[@]} -gt 0 ] || extra=(--head-dims 128)

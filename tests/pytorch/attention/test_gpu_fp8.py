@@ -295,7 +295,7 @@ def test_one_pass_dequantize_bits(dtype):
     assert got.stride() == x8.stride() and torch.equal(got, (x8.float() * descale).to(dtype))
 
 
-@pytest.mark.parametrize("length", [16, 1024])  # 1024: TE's default history, eight tiles of rows
+@pytest.mark.parametrize("length", [1, 2, 16, 1024])  # 1 and 2: the roll's edges; 1024: TE's default, eight tiles
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 def test_one_launch_update_bits(algo, length):
     """The Triton delayed-scaling update equals the PyTorch one on the GPU, bit for bit."""

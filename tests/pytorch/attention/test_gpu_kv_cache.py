@@ -95,6 +95,32 @@ def test_masks_and_windows_over_the_cache(label, paged, mask, window):
     run_schedule(label, gpu_config("bshd", paged, 64, mask, window), steps=6)
 
 
+# One token per entry, an entry past the batch: FA4 runs every entry (seqused_q None) and writes
+# the empty entry 0 itself (no zeroing launch); NaN-filled buffers show a row nothing wrote.
+DECODE = [OrderedDict([(0, 20), (1, 9), (2, 5)]), OrderedDict([(0, 1), (1, 1), (2, 1)]), OrderedDict([(0, 1), (2, 1)]),
+          OrderedDict([(0, 1), (2, 1), (3, 1)]), OrderedDict([(3, 1)])]
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_fa4_decode_steps_write_every_row_themselves(nan_buffers, fmt, paged):
+    cfg = gpu_config(fmt, paged, 16 if paged else 1)
+    params = cfg.params(dtype=torch.bfloat16)
+    params.allocate_memory(1)
+    sim = Simulation(cfg, seed=3)
+    dpa = DotProductAttention(cfg.heads, cfg.d, num_gqa_groups=cfg.hkv, qkv_format=fmt, attn_mask_type="padding_causal",
+                              layer_number=1)
+    for step_dict in DECODE:
+        params.pre_step(step_dict)
+        sim.apply(step_dict)
+        round_history(sim, torch.bfloat16)
+        q, k, v = (pack(cfg, step_dict, [sim.history[(1, s)][w][-n:] for s, n in step_dict.items()], Packing(1, 0, 0))
+                   .to(torch.bfloat16) for w in range(3))
+        with torch.no_grad():
+            out = run_on(FA4, dpa, q, k, v, inference_params=params)
+        check_output(out.view(*out.shape[:-1], cfg.heads, cfg.dv).cpu(), sim, 1, step_dict, TOL)
+
+
 def test_the_unfused_cache_path_keeps_its_precision_inside_autocast():
     """As the unfused math: an autocast region does not lower the reference's float32 (the same
     call inside and outside one gives the same bits)."""
