@@ -302,7 +302,7 @@ def test_one_launch_update_bits(algo, length):
     from transformer_engine.pytorch.attention.dot_product_attention.fp8 import state as state_mod
 
     history = torch.rand(length, 9, device="cuda") * 4
-    history[3, 1] = float("nan")
+    history[length - 1, 1] = float("nan")  # in the window (a row the roll moves) when length > 1
     reduced = torch.tensor([0.0, 3.0, 0.5, float("inf"), float("nan"), 1e-45, 0.0, 2.0, 7.0], device="cuda")
     r = recipe.DelayedScaling(amax_history_len=length, amax_compute_algo=algo, margin=1)
     got = state_mod.ScalingState(torch.rand(9, device="cuda") + 0.5, history.clone())
