@@ -32,6 +32,7 @@ from transformer_engine.pytorch.attention.dot_product_attention.selection.librar
 from transformer_engine.pytorch.attention.dot_product_attention.selection.params import AttentionParams
 
 from .packing import make_thd
+from .spies import spy_inputs
 
 ALL = InstalledLibraries(flash_attn_2="2.7.4", flash_attn_3="3.0.0", flash_attn_4="4.0.0b36", cudnn_frontend="1.32.0",
                          cudnn=92600)
@@ -57,6 +58,7 @@ def timings(monkeypatch):
         return table.ms[label]
 
     monkeypatch.setattr(autotune, "measure", measure)
+    monkeypatch.setattr(autotune, "installed_libraries", lambda: ALL)  # TE's tuple of the winner, from the fakes
     yield table
     autotune.forget()
 
@@ -88,6 +90,17 @@ def test_a_refusing_backend_is_never_timed_or_chosen_even_when_fastest(timings):
     timings.ms.update({FA4: 0.01, FA3: 0.02, CUDNN: 3.0, FA2: 2.0})
     chosen = _tuned(params)
     assert chosen.label == FA2 and sorted(timings.asked) == [FA2, CUDNN]
+    use_flash, flash_version, use_fused = tuple(chosen)[:3]  # TE's tuple names the library that runs
+    assert use_flash and not use_fused and str(flash_version) == ALL.flash_attn_2
+
+
+def test_a_stored_choice_is_filtered_by_the_next_calls_reasons(timings):
+    """A bucket's recorded winner (cuDNN) that a later call's scope refuses is never run: the
+    fastest of what that call accepts, from the same measurements, runs (nothing re-timed)."""
+    assert _tuned(THD).label == CUDNN
+    asked = list(timings.asked)
+    with backend_scope(allow=[FA4, FA2]):
+        assert _tuned(THD).label == FA4 and timings.asked == asked
 
 
 MASKS = [m for m in AttnMaskType if m is not AttnMaskType.ARBITRARY]
@@ -218,7 +231,9 @@ def test_the_fast_path_key_carries_the_sequence_bucket_only_while_on(monkeypatch
     monkeypatch.delenv("NVTE_ATTN_AUTOTUNE", raising=False)
     assert autotune.key_part(cu) is None
     monkeypatch.setenv("NVTE_ATTN_AUTOTUNE", "1")
-    assert autotune.key_part(cu) == (128, False) and autotune.key_part(None) == (None, False)
+    assert autotune.key_part(cu) == ("eager", 128, False) and autotune.key_part(None) == ("eager", None, False)
+    monkeypatch.setenv("NVTE_ATTN_AUTOTUNE", "gpu")  # a switch of timing mode misses the recipes of the other
+    assert autotune.key_part(cu) == ("gpu", 128, False)
 
 
 # ------------------------------------------------------------------ the module path
@@ -277,21 +292,19 @@ def test_the_module_never_runs_a_refusing_backend(runnable_on_cpu, timings):
     assert set(runnable_on_cpu.calls) == {"cudnn_fwd"}
 
 
+def _inputs_cudnn_gets(dpa, qkv, kwargs):
+    """The prepared inputs of one ``dpa`` call forced onto cuDNN (its stand-in runs)."""
+    with pytest.MonkeyPatch.context() as mp, backend_scope(force=FusedAttention):
+        seen = spy_inputs(mp, FusedAttention)
+        dpa(*qkv, **kwargs)
+    return seen[-1]
+
+
 def test_measure_times_detached_views_and_restores_the_rng(runnable_on_cpu):
     """The real measure() on the CPU: forward and backward of the candidate on views of the
     call's tensors; the caller's tensors get no gradient and the RNG state is unchanged."""
     dpa, qkv, kwargs = _module_call()
-    captured = {}
-    real_run = FusedAttention.run
-
-    def run(record, training):
-        captured["inp"] = record
-        return real_run(record, training)
-
-    with pytest.MonkeyPatch.context() as mp, backend_scope(force=FusedAttention):
-        mp.setattr(FusedAttention, "run", staticmethod(run))
-        dpa(*qkv, **kwargs)
-    inp = captured["inp"]
+    inp = _inputs_cudnn_gets(dpa, qkv, kwargs)
     state = torch.get_rng_state()
     runnable_on_cpu.clear()
     ms = autotune.measure(FusedAttention, inp, True, "eager")
@@ -306,18 +319,29 @@ def test_measure_times_the_backward_a_learnable_sink_alone_asks_for(runnable_on_
     and the module's parameter gets no gradient from it."""
     dpa, qkv, kwargs = _module_call(softmax_type="learnable")
     frozen = [t.detach() for t in qkv]
-    captured = {}
-    real_run = FusedAttention.run
-
-    def run(record, training):
-        captured["inp"] = record
-        return real_run(record, training)
-
-    with pytest.MonkeyPatch.context() as mp, backend_scope(force=FusedAttention):
-        mp.setattr(FusedAttention, "run", staticmethod(run))
-        dpa(*frozen, **kwargs)
-    assert captured["inp"].softmax_offset is dpa.softmax_offset and dpa.softmax_offset.requires_grad
+    inp = _inputs_cudnn_gets(dpa, frozen, kwargs)
+    assert inp.softmax_offset is dpa.softmax_offset and dpa.softmax_offset.requires_grad
     runnable_on_cpu.clear()
-    autotune.measure(FusedAttention, captured["inp"], True, "eager")
+    autotune.measure(FusedAttention, inp, True, "eager")
     assert runnable_on_cpu.calls == ["cudnn_fwd", "cudnn_bwd"] * (1 + autotune.REPEATS)
     assert dpa.softmax_offset.grad is None
+
+
+def test_the_cli_says_when_autotune_chooses(monkeypatch, capsys):
+    """te-attention-backend: with NVTE_ATTN_AUTOTUNE on it names the candidates a call is timed
+    among (the report above stays the fixed order); off, no such line."""
+    from transformer_engine.pytorch.attention.dot_product_attention.selection.explain import main as explain_main
+
+    monkeypatch.setenv("NVTE_ATTN_AUTOTUNE", "gpu")
+    assert explain_main(["--assume-all-libraries", "--format", "thd", "--mask", "padding_causal"]) == 0
+    out = capsys.readouterr().out
+    assert f"NVTE_ATTN_AUTOTUNE=gpu: a call runs the fastest of ['{FA4}'" in out and f"'{CUDNN}'" in out
+    monkeypatch.delenv("NVTE_ATTN_AUTOTUNE")
+    assert explain_main(["--assume-all-libraries", "--format", "thd", "--mask", "padding_causal"]) == 0
+    assert "NVTE_ATTN_AUTOTUNE" not in capsys.readouterr().out
+
+
+def test_fp8_calls_are_not_timed(timings):
+    """Timing an FP8 call would step its amax state; the fixed choice runs."""
+    inp = types.SimpleNamespace(q=torch.empty(30000, 1, 1), fp8=object())
+    assert autotune.tuned(get_attention_backend(THD, ALL), THD, inp, True).label == FA4 and timings.asked == []

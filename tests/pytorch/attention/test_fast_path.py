@@ -22,6 +22,7 @@ from transformer_engine.pytorch.attention.dot_product_attention.selection.backen
 
 from .gpu_helpers import env
 from .packing import make_thd
+from .spies import spy_inputs
 
 H, HG, D = 4, 2, 8
 
@@ -115,15 +116,7 @@ def _captured_inputs(monkeypatch):
     """The AttentionInputs each call hands its backend (the unfused one, on the CPU)."""
     from transformer_engine.pytorch.attention.dot_product_attention.backends.unfused import UnfusedDotProductAttention
 
-    seen = []
-    real = UnfusedDotProductAttention.run
-
-    def spy(inp, training):
-        seen.append(inp)
-        return real(inp, training)
-
-    monkeypatch.setattr(UnfusedDotProductAttention, "run", staticmethod(spy))
-    return seen
+    return spy_inputs(monkeypatch, UnfusedDotProductAttention)
 
 
 def _same_record(a, b):

@@ -26,8 +26,9 @@ bf16, so switching libraries changes numerics within that noise, which a user sh
   parallelism, or with ``backend_scope(force=...)``; under CUDA-graph capture nothing is timed
   (timing inside a capture is impossible): the recorded choice, or the fixed order.
 - **Cache**: per process; with ``NVTE_ATTN_AUTOTUNE_CACHE=path.json`` also read from and
-  written to that file (each process's new choices are added; give every rank the same file to
-  make them agree).
+  written to that file (each process's new choices are added; a process reads the file once, on
+  its first tuned call, so ranks agree where an earlier run filled it; ranks that meet a new
+  bucket together each time it and may choose differently).
 
 ``last_selection.report()`` says how the backend was chosen: "chosen by autotune: X 0.41 ms vs
 Y 0.47 ms" or "fixed preference order".
@@ -46,7 +47,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..environment import ALLOW_NONDETERMINISTIC, AUTOTUNE, AUTOTUNE_CACHE, compiling
-from .backend_selection import BACKENDS_BY_LABEL, BackendSelection
+from .backend_selection import BACKENDS_BY_LABEL, BackendSelection, with_te_backends
+from .libraries import installed_libraries
 from .params import _KEY_FIELDS, AttentionParams, params_key
 
 MODES = {"1": "eager", "eager": "eager", "gpu": "gpu"}
@@ -93,13 +95,15 @@ def deterministic() -> bool:
 
 
 def key_part(cu_seqlens_q: Optional[torch.Tensor]) -> Optional[tuple]:
-    """What the fast path's key must add while autotune is on (None when it is off): the
-    sequence-count bucket of a THD call (its recipe holds a bucket's choice; dense counts are
-    shapes, in the key already) and whether deterministic mode, which disables it, is on."""
-    if AUTOTUNE.get("0") in ("0", ""):
+    """What the fast path's key must add while autotune is on (None when it is off): the timing
+    mode (each keeps its own choices), the sequence-count bucket of a THD call (its recipe holds a
+    bucket's choice; dense counts are shapes, in the key already) and whether deterministic
+    mode, which disables it, is on."""
+    how = mode()
+    if how is None:
         return None
     seqs = None if cu_seqlens_q is None else _pow2(cu_seqlens_q.numel() - 1)
-    return seqs, deterministic()
+    return how, seqs, deterministic()
 
 
 def bucket(params: AttentionParams, rows: int, device: torch.device) -> str:
@@ -137,6 +141,8 @@ def tuned(selection: BackendSelection, params: AttentionParams, inp, training: b
     how = mode()
     if how is None or selection.backend is None or selection.forced or deterministic() or compiling():
         return selection
+    if getattr(inp, "fp8", None) is not None:
+        return selection  # timing would step the FP8 amax state; one backend (cuDNN) runs FP8 anyway
     labels = candidates(selection)
     if len(labels) < 2:
         return selection
@@ -155,7 +161,8 @@ def tuned(selection: BackendSelection, params: AttentionParams, inp, training: b
         choice = Choice(tuple(times.items()), how)
         _record(key, choice)
         winner = choice.fastest(labels)
-    return dataclasses.replace(selection, backend=BACKENDS_BY_LABEL[winner], how=choice.describe(winner, labels))
+    chosen = dataclasses.replace(selection, backend=BACKENDS_BY_LABEL[winner], how=choice.describe(winner, labels))
+    return with_te_backends(chosen, params, installed_libraries())  # TE's tuple names the library that runs
 
 
 # ---------------------------------------------------------------------------------- timing

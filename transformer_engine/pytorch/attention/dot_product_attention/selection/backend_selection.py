@@ -130,11 +130,11 @@ def _select(params: AttentionParams, libs: InstalledLibraries, env) -> BackendSe
         chosen = BACKENDS_BY_LABEL[scope.force]  # its declaration is not consulted (see backend_scope)
         selection = BackendSelection(chosen, tuple(reasons), how=f"forced by backend_scope(force={scope.force!r})",
                                      forced=True)
-        return _with_te_backends(selection, params, libs)
-    return _with_te_backends(BackendSelection(chosen, tuple(reasons)), params, libs)
+        return with_te_backends(selection, params, libs)
+    return with_te_backends(BackendSelection(chosen, tuple(reasons)), params, libs)
 
 
-def _with_te_backends(selection: BackendSelection, params: AttentionParams, libs: InstalledLibraries) -> BackendSelection:
+def with_te_backends(selection: BackendSelection, params: AttentionParams, libs: InstalledLibraries) -> BackendSelection:
     """Fill in TE's two backend elements: the FlashAttention version and the fused sub-backend."""
     flash = [b for b in BACKENDS if b.NAME == "FlashAttention" and selection.can_run(backend_label(b))]
     if selection.name == "FlashAttention":

@@ -19,6 +19,8 @@ from .libraries import LIBRARY_INSTALLS, InstalledLibraries, installed_libraries
 from ..masks import AttnMaskType
 from .params import AttentionParams
 from ...inference import inference_attn_mask_type
+from . import autotune
+from ..environment import AUTOTUNE
 from .backend_selection import get_attention_backend, kv_cache_support_markdown, support_matrix_markdown
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
@@ -77,6 +79,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     libs = TESTED_LIBRARIES if args.assume_all_libraries else installed_libraries()
     selection = get_attention_backend(params, libs)
     print(selection.report())
+    how = autotune.mode()
+    if how is not None:
+        print(f"NVTE_ATTN_AUTOTUNE={AUTOTUNE.get('0')}: a call runs the fastest of {autotune.candidates(selection)} measured "
+              f"({how} timing) on its shape bucket's first call; the line above is the fixed preference order")
     if not args.assume_all_libraries:
         note = fallback_note(params, selection, libs)
         if note:
