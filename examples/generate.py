@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import random
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields, field
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -211,9 +211,9 @@ def generate(model: TinyLM, s: Settings, requests: Sequence[Request]) -> Report:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("layers", 2), ("hidden", 64), ("heads", 4), ("gqa", 2), ("vocab", 97), ("batch", 3),
-                          ("requests", 5), ("prompt", 12), ("new-tokens", 10), ("page-size", 16), ("seed", 0)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    for f in fields(Settings):  # the int settings' defaults live in Settings only
+        if f.type in (int, "int"):
+            p.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default)
     p.add_argument("--no-paged", dest="paged", action="store_false", help="a non-paged cache")
     p.add_argument("--cuda-graph", action="store_true", help="replay decode-only steps from a CUDA graph (GPU)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -227,8 +227,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     dtype = getattr(torch, a.dtype or ("float64" if a.device == "cpu" else "bfloat16"))
     if a.cuda_graph and a.device == "cpu":
         raise SystemExit("--cuda-graph needs a CUDA device")
-    s = Settings(a.vocab, a.hidden, a.heads, a.gqa, a.layers, a.batch, a.requests, a.prompt, a.new_tokens, a.paged, a.page_size,
-                 a.cuda_graph, a.device, dtype, a.seed)
+    s = Settings(**{f.name: getattr(a, f.name) for f in fields(Settings) if f.name != "dtype"}, dtype=dtype)
     torch.manual_seed(s.seed)
     model = TinyLM(s).eval()
     report = generate(model, s, make_requests(s))

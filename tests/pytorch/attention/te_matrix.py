@@ -279,11 +279,6 @@ def groups(backends, families=None) -> Dict[str, List[Case]]:
     return out
 
 
-def group_of(short: str, case: Case) -> str:
-    cases = FAMILIES[case.family]()
-    return f"{short}:{case.family}:{cases.index(case) // GROUP_SIZE}"
-
-
 def recorded() -> Dict[Tuple[str, str], str]:
     """The last H200 run (``te_matrix_expected.json`` beside this file, written from that run's
     jsonl): {(backend label, case id): status}."""

@@ -54,7 +54,7 @@ def test_fp8_configurations_fused_attention_runs(monkeypatch):
     (dict(head_dim_qk=64, head_dim_v=64), "head_dim_qk=64 with FP8 gradients on sm90", "takes head dim 128 only"),
     (dict(qkv_format="thd", attn_mask_type="padding_causal"), "qkv_format=thd with FP8 gradients", "refuses ragged offsets"),
     (dict(attn_mask_type="causal_bottom_right", max_seqlen_q=64, max_seqlen_kv=128, compute_capability=(10, 0)),
-     "attn_mask_type=causal_bottom_right", "bottom-right causal masks on Blackwell only"),
+     "attn_mask_type=causal_bottom_right", "no bottom-right diagonal on Hopper, and this package has not run it on Blackwell"),
 ])
 def test_fp8_backward_rules_name_the_f16_backward_way_out(monkeypatch, kw, field, why):
     (reason,) = _reasons(monkeypatch, **kw)
@@ -123,28 +123,37 @@ def _inputs(seed, b=2, s=32, h=4, hg=2, d=128, fmt="bshd"):
     return [torch.randn(shape(n), generator=g).to(torch.bfloat16).requires_grad_() for n in (h, hg, hg)]
 
 
-def _steps(backend, fmt="bshd", mask="causal", hg=2, d=128, steps=3, history=1, **kw):
-    """``steps`` training steps of one module on ``backend`` (forced); the last output and
-    gradients, and the module's FP8 state."""
-    dpa = te.DotProductAttention(4, d, num_gqa_groups=hg, qkv_format=fmt, attn_mask_type=mask)
-    for i in range(steps):
+def _steps(backend, fmt="bshd", mask="causal", hg=2, d=128, steps=3, history=1, fp8_format=recipe.Format.HYBRID, dpa=None,
+           first=0, **kw):
+    """``steps`` training steps (inputs of seeds ``first``...) of one module (``dpa``, or a new
+    one) on ``backend`` (forced); the last output and gradients, and the module's FP8 state."""
+    dpa = dpa or te.DotProductAttention(4, d, num_gqa_groups=hg, qkv_format=fmt, attn_mask_type=mask)
+    for i in range(first, first + steps):
         q, k, v = _inputs(i, hg=hg, d=d, fmt=fmt)
         dout = torch.randn(*q.shape[:2], 4 * d, generator=torch.Generator().manual_seed(50 + i)).to(torch.bfloat16)
         with backend_scope(force=backend):
-            with te.autocast(recipe=delayed(amax_history_len=history, amax_compute_algo="max")):
+            with te.autocast(recipe=delayed(amax_history_len=history, amax_compute_algo="max", fp8_format=fp8_format)):
                 out = dpa(q, k, v, **kw)
             out.backward(dout)
     return [out.detach(), q.grad, k.grad, v.grad], dpa._fp8_state
 
 
-@pytest.mark.parametrize("fmt,mask,hg", [("bshd", "causal", 2), ("sbhd", "no_mask", 4), ("bshd", "no_mask", 1)])
-def test_three_steps_match_the_emulation(standin, fmt, mask, hg):
+HYBRID, E4M3_FORMAT = recipe.Format.HYBRID, recipe.Format.E4M3
+
+
+@pytest.mark.parametrize("fmt,mask,hg,fp8_format", [("bshd", "causal", 2, HYBRID), ("sbhd", "no_mask", 4, HYBRID),
+                                                    ("bshd", "no_mask", 1, HYBRID), ("bshd", "causal", 2, E4M3_FORMAT)])
+def test_three_steps_match_the_emulation(standin, fmt, mask, hg, fp8_format):
     """The stand-in computes cuDNN's FP8 graphs; so against the unfused emulation the output is
     the same computation (equal up to rounding order); the gradients differ where cuDNN's graph uses
     the FP8 O in rowsum(dO * O) (~0.5% of the range); the states agree slot by slot, except dP,
-    which is softmax_scale times the emulation's (see fp8.py)."""
-    got, state = _steps(FUSED, fmt, mask, hg)
-    want, ref_state = _steps(backends.UnfusedDotProductAttention, fmt, mask, hg)
+    which is softmax_scale times the emulation's (see fp8.py). The E4M3 recipe's backward runs
+    dO and dQ/dK/dV in E4M3 (HYBRID's in E5M2)."""
+    got, state = _steps(FUSED, fmt, mask, hg, fp8_format=fp8_format)
+    (_, bwd), = standin.of("fp8_bwd")[-1:]
+    grad_dtype = E4M3 if fp8_format == E4M3_FORMAT else torch.float8_e5m2
+    assert bwd[UID["do"]].dtype == grad_dtype and bwd[UID["dq"]].dtype == grad_dtype
+    want, ref_state = _steps(backends.UnfusedDotProductAttention, fmt, mask, hg, fp8_format=fp8_format)
     assert rel_rmse(got[0], want[0]) < 1e-3
     for grad, ref in zip(got[1:], want[1:]):  # E5M2 gradients: a tiny difference flips a value by 25%, rarely
         assert rel_rmse(grad, ref) < 0.02
@@ -154,6 +163,20 @@ def test_three_steps_match_the_emulation(standin, fmt, mask, hg):
     torch.testing.assert_close(state.bwd.amax_history[:, slots], ref_state.bwd.amax_history[:, slots], rtol=0.02, atol=0)
     ratio = state.bwd.scale[DP] / ref_state.bwd.scale[DP]
     assert abs(ratio.item() * (1 / math.sqrt(128)) - 1) < 0.05, "cuDNN's dP amax = softmax_scale x the emulation's"
+
+
+def test_a_restored_module_computes_the_same_fp8_result_on_cudnn(standin):
+    """A module restored from another's state_dict (TE's extra state) then trains exactly as
+    the original on the cuDNN path: same outputs, gradients and histories."""
+    trained = te.DotProductAttention(4, 128, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="causal")
+    _steps(FUSED, dpa=trained, history=3)
+    restored = te.DotProductAttention(4, 128, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="causal")
+    restored.load_state_dict(trained.state_dict())
+    got, got_state = _steps(FUSED, dpa=restored, history=3, steps=2, first=3)
+    want, want_state = _steps(FUSED, dpa=trained, history=3, steps=2, first=3)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(got_state.fwd.amax_history, want_state.fwd.amax_history)
+    assert torch.equal(got_state.bwd.amax_history, want_state.bwd.amax_history)
 
 
 def _one_call(backend, mask, q, k, v, grad, **kw):

@@ -12,8 +12,10 @@ configurations (bshd/sbhd, causal and not, GQA, head dims 64 and 128; b=2, s=512
 - the delayed-scaling state after three steps against the emulation's, slot by slot (dP is
   softmax_scale x the emulation's: cuDNN's dP is the gradient of Q K^T, attn_scale included);
 - THD forward in FP8 (ragged offsets, NaN gaps), a declared qkv_layer (one cast, zero-copy views)
-  against separate tensors, the one-pass cast's bits, a sync-free step, the cast kernel count,
-  and megatron-core's fp8_dot_product_attention reaching this path.
+  against separate tensors, the one-pass cast's and dequantization's bits, the scale update's
+  bits, a sync-free step, the cast kernel count, and megatron-core's fp8_dot_product_attention
+  reaching this path (skipped where megatron-core is not installed, as on the lent H200 so far:
+  test_fp8_emulation.py runs megatron's configuration on the CPU).
 
 With TE_FP8_GPU_RESULTS=<file> every comparison appends its numbers there as JSON lines
 (benchmarks/results/ keeps them). Skipped without CUDA."""
@@ -32,9 +34,8 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
 from transformer_engine.pytorch.attention import backend_scope
-from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
-from .fp8_helpers import rel_rmse
+from .fp8_helpers import DO, DP, DQKV, O, QKV, S as SLOT_S, fp8_clean, rel_rmse  # noqa: F401 (fp8_clean: autouse)
 from .gpu_helpers import env, run_on, sync_errors
 from .packing import make_thd
 from .reference import reference_dense, reference_thd
@@ -42,17 +43,7 @@ from .reference import reference_dense, reference_thd
 pytestmark = pytest.mark.gpu
 B, S, H = 2, 512, 4
 E4M3 = torch.float8_e4m3fn
-QKV, O, SLOT_S = 2, 3, 8
-DQKV, DO, DP = 0, 3, 5
 TE_TOL, OUT_TOL, GRAD_TOL = 0.11, 0.01, 0.03
-
-
-@pytest.fixture(autouse=True)
-def fp8_clean():
-    FP8GlobalStateManager.reset()
-    with env(NVTE_UnfusedDPA_Emulate_FP8="1", NVTE_FP8_DPA_BWD="1"):
-        yield
-    FP8GlobalStateManager.reset()
 
 
 def _recipe():

@@ -32,7 +32,7 @@ from transformer_engine.pytorch.attention import backend_scope
 from transformer_engine.pytorch.attention.inference import InferenceParams, attention_over_cache
 
 from .gpu_helpers import run_on, sync_errors
-from .kv_schedules import LAYERS, Config, Packing, Picker, Simulation, check_output, load_example, pack, round_history
+from .kv_schedules import LAYERS, Config, Packing, Picker, Simulation, check_output, load_example, pack, poison, round_history
 from .test_kv_cache import run_step
 
 pytestmark = pytest.mark.gpu
@@ -53,8 +53,7 @@ def gpu_config(fmt: str, paged: bool, page_size: int, mask: str = "padding_causa
 def run_schedule(label: str, cfg: Config, steps: int = 10, seed: int = 0) -> None:
     """Random steps through DotProductAttention on ``label``, two layers, each checked."""
     params = cfg.params(dtype=torch.bfloat16)
-    for layer in LAYERS:
-        params.allocate_memory(layer)
+    poison(params)  # allocates every layer's cache NaN-filled: slots never written must never be read
     sim, pick = Simulation(cfg, seed=seed), Picker(rng=random.Random(seed))
     modules = {layer: DotProductAttention(cfg.heads, cfg.d, num_gqa_groups=cfg.hkv, qkv_format=cfg.fmt, attn_mask_type=cfg.mask,
                                           window_size=cfg.window, layer_number=layer) for layer in LAYERS}
@@ -64,6 +63,8 @@ def run_schedule(label: str, cfg: Config, steps: int = 10, seed: int = 0) -> Non
         if cfg.paged and not sim.fits_pool(step_dict):
             continue
         params.pre_step(step_dict)
+        if cfg.paged:  # pages no table names hold NaN: they must never be read
+            _poison_free_pages(params)
         sim.apply(step_dict)
         round_history(sim, torch.bfloat16)
         for layer in LAYERS:
@@ -74,6 +75,14 @@ def run_schedule(label: str, cfg: Config, steps: int = 10, seed: int = 0) -> Non
             with torch.no_grad(), (sync_errors() if repeat else contextlib.nullcontext()):
                 out = run_on(label, modules[layer], q, k, v, inference_params=params)
             check_output(out.view(*out.shape[:-1], cfg.heads, cfg.dv).cpu(), sim, layer, step_dict, TOL)
+
+
+def _poison_free_pages(params: InferenceParams) -> None:
+    manager = params.cache_manager
+    free = torch.tensor(list(manager.free_pages), dtype=torch.long, device="cuda")
+    for layer in LAYERS:
+        for pool in manager.cache[layer]:
+            pool.index_fill_(0, free, float("nan"))
 
 
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])

@@ -5,8 +5,9 @@ The step's queries are packed rows (``cu_seqlens_q``: the step's padded offsets,
 its step lengths); the cache goes in as it is stored, without a copy: the non-paged cache as its
 [B, S, Hkv, D] tensors, the paged one as its pools [P, page_size, Hkv, D] with ``page_table``
 [B, S // page_size] int32; either way ``cu_seqlens_k`` is None and ``seqused_k`` holds the cached
-lengths (probed on the H200 with flash-attn-4 4.0.0b36: both correct for decode and prefill
-chunks, page sizes 16 to 256, bottom-right causal; NaN in pages no table names never leaks).
+lengths (tested on the H200 with flash-attn-4 4.0.0b36 against the float64 oracle:
+test_gpu_kv_cache.py, decode steps and prefill chunks, pages of 16, 48 and 128 tokens,
+bottom-right causal, every cache slot NaN until written and pages no table names NaN).
 FA4 leaves the rows it does not run unwritten; those (padding rows of a bshd/sbhd step, the tail
 of a thd one) are zeroed afterwards. A causal bshd/sbhd decode step (one query row per batch
 entry) needs no zeroing launch: FA4 runs every entry's row (``seqused_q`` None), and an entry

@@ -82,7 +82,7 @@ def _cast_torch(x: torch.Tensor, out: torch.Tensor, q, valid: Optional[torch.Ten
 def _flat_dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill ``numel`` consecutive storage slots (any dim order)."""
     expected = 1
-    for stride, size in sorted(((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1), reverse=True)[::-1]:
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
         if stride != expected:
             return False
         expected *= size

@@ -83,7 +83,7 @@ def _features(params) -> List[Reason]:
     if params.per_seq_policies is not None:
         out.append(Reason("attn_mask_type_per_seq", "given in FP8", "None (one mask policy per FP8 call on cuDNN)"))
     cc = params.compute_capability
-    bottom_right = [s for s in params.mask_specs if s.mask_type.is_causal and s.mask_type.bottom_right]
+    bottom_right = _bottom_right_causal(params)
     if bottom_right and not params.same_lengths and cc is not None and cc[0] == 9:
         out.append(Reason("attn_mask_type", f"{bottom_right[0].mask_type.value} with sq != skv possible in FP8 on sm90",
                           "top-left causal masks or sq == skv (cuDNN 9.19 builds no FP8 forward with a bottom-right "
@@ -93,6 +93,10 @@ def _features(params) -> List[Reason]:
             out.append(Reason("window_size", f"{spec.window} in FP8",
                               "(-1, -1) or (-1, 0) (sliding windows are not wired in cuDNN's FP8 path)"))
     return out
+
+
+def _bottom_right_causal(params) -> list:
+    return [s for s in params.mask_specs if s.mask_type.is_causal and s.mask_type.bottom_right]
 
 
 def _backward(params, libs) -> List[Reason]:
@@ -105,11 +109,11 @@ def _backward(params, libs) -> List[Reason]:
     if params.qkv_format == "thd":
         out.append(Reason("qkv_format", "thd with FP8 gradients",
                           f"bshd or sbhd (cuDNN's FP8 backward refuses ragged offsets on Hopper), {_BWD_OFF}"))
-    bottom_right = [s for s in params.mask_specs if s.mask_type.is_causal and s.mask_type.bottom_right]
+    bottom_right = _bottom_right_causal(params)
     if bottom_right and not params.same_lengths:
         out.append(Reason("attn_mask_type", f"{bottom_right[0].mask_type.value} with sq != skv possible and FP8 gradients",
-                          f"top-left causal masks or sq == skv (cuDNN's FP8 backward runs bottom-right causal masks on "
-                          f"Blackwell only), {_BWD_OFF}"))
+                          f"top-left causal masks or sq == skv (cuDNN's FP8 backward has no bottom-right diagonal on "
+                          f"Hopper, and this package has not run it on Blackwell), {_BWD_OFF}"))
     if libs.cudnn == FP8_BROKEN_BACKWARD_CUDNN:
         out.append(Reason("cudnn", "9.10.0 with FP8 gradients", f"any other version (cudnn-frontend refuses it: known bugs), {_BWD_OFF}"))
     return out
