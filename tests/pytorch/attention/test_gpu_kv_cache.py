@@ -64,8 +64,6 @@ def run_schedule(label: str, cfg: Config, steps: int = 10, seed: int = 0) -> Non
         if cfg.paged and not sim.fits_pool(step_dict):
             continue
         params.pre_step(step_dict)
-        if cfg.paged:  # pages no table names hold NaN: they must never be read
-            _poison_free_pages(params)
         sim.apply(step_dict)
         round_history(sim, torch.bfloat16)
         for layer in LAYERS:
@@ -76,14 +74,6 @@ def run_schedule(label: str, cfg: Config, steps: int = 10, seed: int = 0) -> Non
             with torch.no_grad(), (sync_errors() if repeat else contextlib.nullcontext()):
                 out = run_on(label, modules[layer], q, k, v, inference_params=params)
             check_output(out.view(*out.shape[:-1], cfg.heads, cfg.dv).cpu(), sim, layer, step_dict, TOL)
-
-
-def _poison_free_pages(params: InferenceParams) -> None:
-    manager = params.cache_manager
-    free = torch.tensor(list(manager.free_pages), dtype=torch.long, device="cuda")
-    for layer in LAYERS:
-        for pool in manager.cache[layer]:
-            pool.index_fill_(0, free, float("nan"))
 
 
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])

@@ -7,7 +7,10 @@ its step lengths); the cache goes in as it is stored, without a copy: the non-pa
 [B, S // page_size] int32; either way ``cu_seqlens_k`` is None and ``seqused_k`` holds the cached
 lengths (tested on the H200 with flash-attn-4 4.0.0b36 against the float64 oracle:
 test_gpu_kv_cache.py, decode steps and prefill chunks, pages of 16, 48 and 128 tokens,
-bottom-right causal, every cache slot NaN until written and pages no table names NaN).
+bottom-right causal). Like cuDNN's paged graph, it reads a page's slots past a sequence's length
+(at weight 0): a NaN left there by an earlier request that held the page makes this sequence's
+output NaN (measured on the H200, benchmarks/results/gpu_suite_*.log, section 0a2d061). The
+caches start zeroed and hold only appended K/V, so only a request whose K/V were NaN can do it.
 FA4 leaves the rows it does not run unwritten; those (padding rows of a bshd/sbhd step, the tail
 of a thd one) are zeroed afterwards. A causal bshd/sbhd decode step (one query row per batch
 entry) needs no zeroing launch: FA4 runs every entry's row (``seqused_q`` None), and an entry
