@@ -142,3 +142,52 @@ def test_torch_compile_fullgraph(label):
         eager = f(qkv.detach())
     assert rel_err(out, eager) < 1e-3
     assert torch.all(qkv.grad[~p.valid_q] == 0) and torch.isfinite(qkv.grad).all()
+
+
+@pytest.mark.parametrize("label", list(GPU_BACKENDS))
+def test_remembered_metadata_follows_refilled_cu_seqlens(label):
+    """THD metadata is remembered per cu_seqlens tensor (prepare/metadata_cache.py): eager calls
+    fill it, a capture after them must record its own derivations (replays after a refill follow
+    the new lengths), and an eager call after an in-place refill must derive again."""
+    other = [500, 49, 300, 99, 1]  # the same 949 rows, other sequences
+    p = make_thd(LENGTHS, h=H, hg=H, d=D, dtype=torch.bfloat16, device="cuda")
+    dpa = DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding_causal")
+    cu = p.cu_q.clone()
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=511, max_seqlen_kv=511)
+    g = torch.randn(p.q.shape[0], H * D, device="cuda", dtype=torch.bfloat16)
+    leaves = [t.detach().clone().requires_grad_() for t in (p.q, p.k, p.v)]
+    refill = torch.tensor([0] + list(torch.tensor(other).cumsum(0)), dtype=torch.int32, device="cuda")
+
+    def fresh(lengths_cu):  # a new module and new tensors: nothing remembered applies
+        new = [t.detach().clone().requires_grad_() for t in leaves]
+        copy = lengths_cu.clone()
+        out = run_on(label, DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding_causal"), *new,
+                     **dict(kw, cu_seqlens_q=copy, cu_seqlens_kv=copy))
+        return [out] + grads_of(out, new, g)
+
+    def check(got, want):
+        for a, b in zip(got, want):
+            assert rel_err(a, b) < 1e-3
+
+    first_cu = cu.clone()
+    out = run_on(label, dpa, *leaves, **kw)
+    check([out] + grads_of(out, leaves, g), fresh(first_cu))
+    side = torch.cuda.Stream()  # eager warm-ups on a side stream (remembered there), then the capture
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run_on(label, dpa, *leaves, **kw).backward(g)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    for t in leaves:
+        t.grad = None  # the capture's backward assigns the gradients its replays write
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run_on(label, dpa, *leaves, **kw)
+        captured.backward(g)
+    cu.copy_(refill)
+    graph.replay()
+    torch.cuda.synchronize()
+    check([captured] + [t.grad.clone() for t in leaves], fresh(refill))
+    out = run_on(label, dpa, *leaves, **kw)  # eager again on the refilled tensor
+    check([out] + grads_of(out, leaves, g), fresh(refill))

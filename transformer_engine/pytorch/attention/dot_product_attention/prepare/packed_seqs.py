@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from ..environment import VALIDATE, compiling
+from .metadata_cache import owns, remembered
 
 
 def check_cu_seqlens(name: str, t: Optional[torch.Tensor], batch_size: Optional[int] = None, device=None) -> None:
@@ -92,11 +93,17 @@ class PackedSeqs:
     def seqlens(self) -> torch.Tensor:
         """Valid length of each sequence, [B] int32 (one op: diff costs less host time than two
         slices and a subtraction). After :func:`made_safe`, also at most its slot and max_seqlen."""
+        if self.bounded and owns(self.cu_seqlens) and owns(self.offsets):
+            # Bounded by made_safe from remembered offsets: the lengths are remembered with them
+            # (metadata_cache.py); otherwise derived per call (a cached_property would not
+            # trace under torch.compile).
+            return remembered("seqlens", (self.cu_seqlens, self.offsets), self.max_seqlen, self._lengths)
+        return self._lengths()
+
+    def _lengths(self) -> torch.Tensor:
         lengths = torch.diff(self.cu_seqlens)
         if not self.bounded:
             return lengths
-        # Not cached: a cached_property would not trace under torch.compile, and the callers
-        # that need lengths (plans, the unfused gather) ask once or twice per forward.
         if self.has_gaps:
             lengths = torch.minimum(lengths, torch.diff(self.offsets))
         return lengths.clamp(max=self.max_seqlen)
@@ -225,7 +232,9 @@ def _check_sorted(name: str, values) -> None:
 
 
 def _clamp_sorted(t: torch.Tensor, total: int) -> torch.Tensor:
-    return torch.cummax(t.clamp(0, total), dim=0)[0]
+    """``t`` made non-decreasing within [0, total]: two launches per call, so remembered for
+    the later layers of a step that pass the same unchanged tensor (metadata_cache.py)."""
+    return remembered("bounded", (t,), total, lambda: torch.cummax(t.clamp(0, total), dim=0)[0])
 
 
 def make_packed(

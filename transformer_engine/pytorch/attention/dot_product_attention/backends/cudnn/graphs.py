@@ -15,6 +15,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ...prepare.metadata_cache import owns, remembered
+
 UID = dict(q=1, k=2, v=3, o=4, stats=5, do=6, dq=7, dk=8, dv=9, len_q=10, len_kv=11, rq=12, rk=13, rv=14, ro=15, rdq=16, rdk=17,
            rdv=18, rdo=19, bias=20, dbias=21, seed=22, offset=23, sink=24, dsink=25, max=26, sum_exp=27)
 # Built graphs by configuration, least recently used first; bounded, since each holds cuDNN
@@ -352,6 +354,14 @@ def metadata_pack(seqlens_q, seqlens_kv, ragged: dict) -> dict:
     for name, (offsets, t) in ragged.items():
         key = (id(offsets), t.stride(0))
         if key not in made:
-            made[key] = (offsets.long() * t.stride(0)).view(-1, 1, 1, 1)
+            made[key] = _element_offsets(offsets, t.stride(0))
         pack[UID[name]] = made[key]
     return pack
+
+
+def _element_offsets(offsets: torch.Tensor, stride: int) -> torch.Tensor:
+    # int64 offsets the module remembers across calls (prepare/metadata_cache.py) keep their
+    # element offsets too: the backward and the next layers launch nothing for them.
+    if owns(offsets):
+        return remembered("elements", (offsets,), stride, lambda: (offsets.long() * stride).view(-1, 1, 1, 1))
+    return (offsets.long() * stride).view(-1, 1, 1, 1)

@@ -14,6 +14,7 @@ import torch
 
 from .. import kernel_ops
 from ...environment import compiling
+from ...prepare.metadata_cache import owns, remembered
 from ..kernel_problem import KernelProblem, KernelRun, RowSpan, ScoreFeatures
 from .ops import stats_shape  # (importing .ops registers the cuDNN ops kernel_ops.ops dispatches to)
 
@@ -148,6 +149,13 @@ def _offsets64(run: KernelRun) -> tuple:
         return run.offsets_q, run.offsets_kv
     got = run.derived.get("offsets64")
     if got is None:
-        q64 = run.offsets_q.long()
-        got = run.derived["offsets64"] = (q64, q64 if run.offsets_kv is run.offsets_q else run.offsets_kv.long())
+        q64 = _int64(run.offsets_q)
+        got = run.derived["offsets64"] = (q64, q64 if run.offsets_kv is run.offsets_q else _int64(run.offsets_kv))
     return got
+
+
+def _int64(offsets: torch.Tensor) -> torch.Tensor:
+    # Offsets bounded by made_safe are remembered across calls, and their int64 form with them.
+    if owns(offsets):
+        return remembered("int64", (offsets,), None, offsets.long)
+    return offsets.long()

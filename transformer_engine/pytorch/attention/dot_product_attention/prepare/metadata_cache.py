@@ -1,0 +1,88 @@
+"""THD metadata derived once per cu_seqlens tensor, not once per layer (issue #26).
+
+Every layer of a training step passes the same cu_seqlens tensors, and every call derives the
+same small tensors from them: the bounded offsets (``made_safe``: a clamp and a cummax), the
+valid lengths, cuDNN's int64 and element offsets. Each derivation is a kernel launch, and on a
+short batch each launch before the attention kernel adds its host time to the call's (about
+45 us per aten launch on the H200's host; cuDNN's forward made seven). :func:`remembered`
+keeps them, keyed by the source tensors themselves, so layers 2..N of a step launch none.
+
+When a remembered value is reused (all of these hold, else it is derived again):
+
+- the source is the same tensor object (the cache holds it, so its id cannot be reused) with
+  the same ``_version`` and data pointer: any in-place write through PyTorch (``copy_``,
+  ``fill_``, an out= op, a write under ``no_grad``) bumps the version and re-derives;
+- the call runs on the same CUDA stream (a value made on another stream may not be ready);
+- no CUDA graph is being captured (a capture records its own derivations, which replays redo),
+  torch.compile is not tracing, and the source is not an inference tensor (no version counter);
+- NVTE_ATTN_METADATA_CACHE is not "0".
+
+The contract this relies on is PyTorch's own for autograd's saved tensors: writes that bypass
+the version counter (a raw Triton or CUDA kernel writing into the tensor, ``t.data.copy_``, a
+CUDA graph replay that refills it) are not seen. A caller that refills cu_seqlens that way
+between calls passes a fresh tensor or sets NVTE_ATTN_METADATA_CACHE=0.
+
+Only the first derivation (the bounded offsets) reads the caller's tensors; the later ones
+read its outputs (:func:`owns`), which nothing writes, so a chain stays consistent.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Tuple
+
+import torch
+
+from ..environment import Switch, compiling
+
+METADATA_CACHE = Switch("NVTE_ATTN_METADATA_CACHE")  # "0": derive on every call
+# A step adds a handful of entries (bounded offsets, lengths, int64 and element offsets per
+# distinct cu_seqlens); a full cache is emptied, which costs the next call one derivation each.
+MAX_ENTRIES = 64
+
+_ENTRIES: Dict[tuple, Tuple[tuple, tuple, Any]] = {}  # key -> (sources, data pointers, value)
+_OUTPUTS: Dict[int, torch.Tensor] = {}  # id -> tensor, for every tensor a remembered value holds
+
+
+def _stream_of(t: torch.Tensor):
+    """The call's stream on ``t``'s device (CUDA), or None (CPU); False where nothing may be
+    remembered now (a graph capture on the current stream)."""
+    if t.device.type != "cuda":
+        return None
+    if torch._C._cuda_isCurrentStreamCapturing():
+        return False
+    return torch._C._cuda_getCurrentStream(t.get_device())
+
+
+def remembered(tag: str, sources: Tuple[torch.Tensor, ...], extra: Any, derive: Callable[[], Any]) -> Any:
+    """``derive()`` (a tensor or tuple of tensors computed from ``sources`` and the hashable
+    ``extra``), or the value an earlier call derived from the same unchanged sources."""
+    first = sources[0]
+    if METADATA_CACHE.get("1") == "0" or compiling() or first.is_inference():
+        return derive()
+    stream = _stream_of(first)
+    if stream is False:
+        return derive()
+    key = (tag, extra, stream) + tuple((id(t), t._version) for t in sources)
+    entry = _ENTRIES.get(key)
+    pointers = tuple(t.data_ptr() for t in sources)
+    if entry is not None and entry[1] == pointers:
+        return entry[2]
+    value = derive()
+    if len(_ENTRIES) >= MAX_ENTRIES:
+        clear()
+    _ENTRIES[key] = (sources, pointers, value)
+    for t in value if isinstance(value, tuple) else (value,):
+        _OUTPUTS[id(t)] = t
+    return value
+
+
+def owns(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a value :func:`remembered` holds (derivations from it need no version
+    check of the caller's tensors: nothing writes them)."""
+    return _OUTPUTS.get(id(t)) is t
+
+
+def clear() -> None:
+    """Forget every remembered value (tests; a full cache)."""
+    _ENTRIES.clear()
+    _OUTPUTS.clear()
