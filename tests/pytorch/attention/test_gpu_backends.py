@@ -179,8 +179,9 @@ def test_remembered_metadata_follows_refilled_cu_seqlens(label):
             run_on(label, dpa, *leaves, **kw).backward(g)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    for t in leaves:
-        t.grad = None  # the capture's backward assigns the gradients its replays write
+    # Fresh leaves for the capture: a leaf whose gradient was accumulated on another stream
+    # (the eager calls above) cannot be captured; the capture's backward assigns the gradients.
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = run_on(label, dpa, *leaves, **kw)
@@ -189,5 +190,6 @@ def test_remembered_metadata_follows_refilled_cu_seqlens(label):
     graph.replay()
     torch.cuda.synchronize()
     check([captured] + [t.grad.clone() for t in leaves], fresh(refill))
-    out = run_on(label, dpa, *leaves, **kw)  # eager again on the refilled tensor
-    check([out] + grads_of(out, leaves, g), fresh(refill))
+    final = [t.detach().clone().requires_grad_() for t in leaves]
+    out = run_on(label, dpa, *final, **kw)  # eager again on the refilled tensor
+    check([out] + grads_of(out, final, g), fresh(refill))

@@ -14,6 +14,7 @@ import torch
 
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import backend_scope
+from transformer_engine.pytorch.attention.dot_product_attention.backends import varlen
 from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import graphs
 from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import kernel as cudnn_kernel
 from transformer_engine.pytorch.attention.dot_product_attention.prepare import fast_path, metadata_cache, packed_seqs
@@ -106,6 +107,15 @@ def test_a_full_cache_is_emptied(monkeypatch):
     assert _bounded(tensors[0]).cu_seqlens is not first
 
 
+def test_values_kept_with_one_tensor_are_bounded(monkeypatch):
+    monkeypatch.setattr(metadata_cache, "MAX_DERIVED", 3)
+    cu = _cu(0, 3, 7)
+    lengths = [_bounded(cu, max_len=m).seqlens() for m in (4, 5, 6)]
+    assert _bounded(cu, max_len=4).seqlens() is lengths[0]
+    _bounded(cu, max_len=7).seqlens()  # a fourth value: the three kept are dropped
+    assert _bounded(cu, max_len=4).seqlens() is not lengths[0]
+
+
 def test_derivations_from_caller_tensors_are_not_remembered():
     """Only the bounding reads the caller's tensors; lengths, int64 and element offsets are
     remembered only from remembered (bounded) offsets."""
@@ -170,23 +180,29 @@ def test_module_reuses_metadata_and_follows_in_place_writes(as_on_cuda, fa4_lib,
     first = _run(dpa, backend, qkv, cu, 5)
     _assert_close(first, _unfused(qkv, [5, 3, 4]))
     derived = []
-    real = metadata_cache.remembered
 
-    def counted(tag, sources, extra, derive):
-        def counting():
-            derived.append(tag)
-            return derive()
+    def counting(real):
+        def counted(*args):
+            *head, derive = args
 
-        return real(tag, sources, extra, counting)
+            def counting_derive():
+                derived.append(head[-1] if real is metadata_cache.derived_from else head[0])
+                return derive()
+
+            return real(*head, counting_derive)
+
+        return counted
 
     with pytest.MonkeyPatch.context() as mp:
-        for module in (packed_seqs, cudnn_kernel, graphs):
-            mp.setattr(module, "remembered", counted)
+        for module in (packed_seqs, varlen, cudnn_kernel, graphs):
+            for name in ("remembered", "derived_from"):
+                if hasattr(module, name):
+                    mp.setattr(module, name, counting(getattr(metadata_cache, name)))
         again = _run(dpa, backend, qkv, cu, 5)
         assert derived == []  # forward and backward: every derivation was remembered
         cu.copy_(_cu(0, 2, 9, 12))  # other sequences, same rows: a cache keyed by identity alone would miss it
         moved = _run(dpa, backend, qkv, cu, 7)
-        assert "bounded" in derived
+        assert "sides" in derived and "bounded" in derived
     _assert_close(again, first)
     _assert_close(moved, _unfused(qkv, [2, 7, 3]))
     if backend == "FusedAttention":  # what cuDNN was handed on the last call: the new offsets and lengths
@@ -194,4 +210,6 @@ def test_module_reuses_metadata_and_follows_in_place_writes(as_on_cuda, fa4_lib,
         assert offsets_of(pack, "q").tolist() == [0, 2, 9, 12] and lengths_of(pack, "q").tolist() == [2, 7, 3]
         assert pack_of(pack, "rq") is not None
     else:
-        assert fa4_lib.of("fwd")[-1]["cu_seqlens_q"].tolist() == [0, 2, 9, 12]
+        calls = fa4_lib.of("fwd")
+        assert calls[1]["cu_seqlens_q"] is calls[0]["cu_seqlens_q"]  # the remembered bounded offsets
+        assert calls[-1]["cu_seqlens_q"].tolist() == [0, 2, 9, 12]

@@ -23,6 +23,7 @@ from ..environment import SANITIZE_GAPS, THD_POLICY_COMPACT, compiling
 from .gap_rows import FA4_MAX_TILE_ROWS
 from .kernel_problem import KernelRun, PackedRows
 from ..prepare.inputs import AttentionInputs
+from ..prepare.metadata_cache import derived_from, owns
 from ..prepare.packed_seqs import PackedSeqs
 from . import kernel_ops
 
@@ -44,7 +45,14 @@ def plan_varlen(inp: AttentionInputs, always_lengths: bool = False) -> VarlenPla
     libraries run without them there."""
     pq, pk = inp.packed_q, inp.packed_kv
     policies = inp.policies
-    spec = inp.mask if policies is None else policies.uniform_spec()
+    if policies is None and owns(pk):
+        # Both sides remembered (metadata_cache.py): so is their one-run plan (its runs hold
+        # only their tensors; cuDNN keeps its int64 offsets on the run).
+        return derived_from(pq, ("plan", id(pk), inp.mask, always_lengths), lambda: _plan(pq, pk, None, inp.mask, always_lengths))
+    return _plan(pq, pk, policies, inp.mask if policies is None else policies.uniform_spec(), always_lengths)
+
+
+def _plan(pq: PackedSeqs, pk: PackedSeqs, policies, spec, always_lengths: bool) -> VarlenPlan:
     gaps = pq.has_gaps or pk.has_gaps
     b = pq.batch_size
     if spec is not None:

@@ -22,8 +22,9 @@ the version counter (a raw Triton or CUDA kernel writing into the tensor, ``t.da
 CUDA graph replay that refills it) are not seen. A caller that refills cu_seqlens that way
 between calls passes a fresh tensor or sets NVTE_ATTN_METADATA_CACHE=0.
 
-Only the first derivation (the bounded offsets) reads the caller's tensors; the later ones
-read its outputs (:func:`owns`), which nothing writes, so a chain stays consistent.
+Only the first derivation (the bounded offsets) reads the caller's tensors (:func:`remembered`);
+the later ones read its outputs and are kept with them (:func:`derived_from`): nothing writes
+those, so a chain stays consistent and its later lookups cost two dict reads.
 """
 
 from __future__ import annotations
@@ -35,18 +36,20 @@ import torch
 from ..environment import Switch, compiling
 
 METADATA_CACHE = Switch("NVTE_ATTN_METADATA_CACHE")  # "0": derive on every call
-# A step adds a handful of entries (bounded offsets, lengths, int64 and element offsets per
-# distinct cu_seqlens); a full cache is emptied, which costs the next call one derivation each.
-MAX_ENTRIES = 64
+# A step adds a handful of entries (bounded offsets per distinct cu_seqlens and bound); a full
+# cache is emptied, which costs the next call one derivation each.
+MAX_ENTRIES = 32
+MAX_DERIVED = 16  # values kept with one tensor
 
 _ENTRIES: Dict[tuple, Tuple[tuple, tuple, Any]] = {}  # key -> (sources, data pointers, value)
-_OUTPUTS: Dict[int, torch.Tensor] = {}  # id -> tensor, for every tensor a remembered value holds
+# id -> (tensor, {key: value derived from it}) for every tensor a remembered value holds.
+_OUTPUTS: Dict[int, Tuple[torch.Tensor, Dict[Any, Any]]] = {}
 
 
 def _stream_of(t: torch.Tensor):
     """The call's stream on ``t``'s device (CUDA), or None (CPU); False where nothing may be
     remembered now (a graph capture on the current stream)."""
-    if t.device.type != "cuda":
+    if not t.is_cuda:
         return None
     if torch._C._cuda_isCurrentStreamCapturing():
         return False
@@ -54,8 +57,9 @@ def _stream_of(t: torch.Tensor):
 
 
 def remembered(tag: str, sources: Tuple[torch.Tensor, ...], extra: Any, derive: Callable[[], Any]) -> Any:
-    """``derive()`` (a tensor or tuple of tensors computed from ``sources`` and the hashable
-    ``extra``), or the value an earlier call derived from the same unchanged sources."""
+    """``derive()`` (a tensor or tuple of tensors computed from the caller's ``sources`` and
+    the hashable ``extra``), or the value an earlier call derived from the same unchanged
+    sources on the same stream."""
     first = sources[0]
     if METADATA_CACHE.get("1") == "0" or compiling() or first.is_inference():
         return derive()
@@ -72,14 +76,40 @@ def remembered(tag: str, sources: Tuple[torch.Tensor, ...], extra: Any, derive: 
         clear()
     _ENTRIES[key] = (sources, pointers, value)
     for t in value if isinstance(value, tuple) else (value,):
-        _OUTPUTS[id(t)] = t
+        _OUTPUTS[id(t)] = (t, {})
     return value
 
 
 def owns(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a value :func:`remembered` holds (derivations from it need no version
-    check of the caller's tensors: nothing writes them)."""
-    return _OUTPUTS.get(id(t)) is t
+    """Whether ``t`` is a tensor the cache holds (a value of :func:`remembered` or
+    :func:`derived_from`). Never while torch.compile traces (``id`` of a traced tensor would
+    break the graph; nothing is remembered there)."""
+    if compiling():
+        return False
+    slot = _OUTPUTS.get(id(t))
+    return slot is not None and slot[0] is t
+
+
+def derived_from(t: torch.Tensor, key: Any, derive: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``derive()``, a tensor computed from ``t`` (and from other tensors the cache holds,
+    named in the hashable ``key``), remembered with ``t`` where the cache holds ``t``.
+
+    No version, stream or capture check here: ``t`` came out of :func:`remembered` (or this
+    function) for a call that passed those checks, on that call's stream, and nothing writes
+    it; its derivations are made and read by the calls that use it (and their backwards)."""
+    if compiling():
+        return derive()
+    slot = _OUTPUTS.get(id(t))
+    if slot is None or slot[0] is not t:
+        return derive()
+    values = slot[1]
+    value = values.get(key)
+    if value is None:
+        if len(values) >= MAX_DERIVED:  # e.g. one tensor met with ever new max_seqlen values
+            values.clear()
+        value = values[key] = derive()
+        _OUTPUTS.setdefault(id(value), (value, {}))
+    return value
 
 
 def clear() -> None:

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from ..environment import VALIDATE, compiling
-from .metadata_cache import owns, remembered
+from .metadata_cache import derived_from, owns, remembered
 
 
 def check_cu_seqlens(name: str, t: Optional[torch.Tensor], batch_size: Optional[int] = None, device=None) -> None:
@@ -93,11 +93,11 @@ class PackedSeqs:
     def seqlens(self) -> torch.Tensor:
         """Valid length of each sequence, [B] int32 (one op: diff costs less host time than two
         slices and a subtraction). After :func:`made_safe`, also at most its slot and max_seqlen."""
-        if self.bounded and owns(self.cu_seqlens) and owns(self.offsets):
+        if self.bounded and owns(self.offsets):
             # Bounded by made_safe from remembered offsets: the lengths are remembered with them
-            # (metadata_cache.py); otherwise derived per call (a cached_property would not
-            # trace under torch.compile).
-            return remembered("seqlens", (self.cu_seqlens, self.offsets), self.max_seqlen, self._lengths)
+            # (metadata_cache.py; derived_from checks cu_seqlens); otherwise derived per call
+            # (a cached_property would not trace under torch.compile).
+            return derived_from(self.cu_seqlens, ("lengths", id(self.offsets), self.max_seqlen), self._lengths)
         return self._lengths()
 
     def _lengths(self) -> torch.Tensor:
@@ -167,9 +167,17 @@ def packed_side(cu_seqlens: torch.Tensor, offsets: torch.Tensor, max_seqlen: int
 
 
 def made_safe(pq: PackedSeqs, pk: PackedSeqs) -> "tuple[PackedSeqs, PackedSeqs]":
-    """:meth:`PackedSeqs.made_safe` for both sides of a call, keeping shared tensors shared
-    (selection and the kernels tell self-attention and gaps apart by identity). A tensor used
-    by both sides is clamped to the smaller side."""
+    """Both sides of a call with their offsets bounded on the device, keeping shared tensors
+    shared (selection and the kernels tell self-attention and gaps apart by identity). A
+    tensor used by both sides is clamped to the smaller side. Remembered for later calls with
+    the same unchanged tensors and bounds (metadata_cache.py): the same two records, so what
+    is derived from them is remembered too."""
+    sources = (pq.cu_seqlens, pq.offsets, pk.cu_seqlens, pk.offsets)
+    bounds = (pq.max_seqlen, pq.total_tokens, pk.max_seqlen, pk.total_tokens)
+    return remembered("sides", sources, bounds, lambda: _made_safe(pq, pk))
+
+
+def _made_safe(pq: PackedSeqs, pk: PackedSeqs) -> "tuple[PackedSeqs, PackedSeqs]":
     total = pq.total_tokens
     if pk.cu_seqlens is pq.cu_seqlens and pk.offsets is pq.offsets and pk.total_tokens == total:
         # Self-attention sharing its metadata (the common case): one bound tensor per distinct

@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ...prepare.metadata_cache import owns, remembered
+from ...prepare.metadata_cache import derived_from
 
 UID = dict(q=1, k=2, v=3, o=4, stats=5, do=6, dq=7, dk=8, dv=9, len_q=10, len_kv=11, rq=12, rk=13, rv=14, ro=15, rdq=16, rdk=17,
            rdv=18, rdo=19, bias=20, dbias=21, seed=22, offset=23, sink=24, dsink=25, max=26, sum_exp=27)
@@ -346,8 +346,8 @@ def metadata_pack(seqlens_q, seqlens_kv, ragged: dict) -> dict:
     that tensor's token stride) for varlen calls."""
     pack = {}
     if seqlens_q is not None:
-        pack[UID["len_q"]] = seqlens_q.int().view(-1, 1, 1, 1)
-        pack[UID["len_kv"]] = seqlens_kv.int().view(-1, 1, 1, 1)
+        pack[UID["len_q"]] = derived_from(seqlens_q, "column", lambda: seqlens_q.int().view(-1, 1, 1, 1))
+        pack[UID["len_kv"]] = derived_from(seqlens_kv, "column", lambda: seqlens_kv.int().view(-1, 1, 1, 1))
     # Tensors sharing offsets and token stride share one offset tensor: each costs two launches,
     # and a backward names eight (one of them, typically).
     made: Dict[Tuple[int, int], torch.Tensor] = {}
@@ -362,6 +362,4 @@ def metadata_pack(seqlens_q, seqlens_kv, ragged: dict) -> dict:
 def _element_offsets(offsets: torch.Tensor, stride: int) -> torch.Tensor:
     # int64 offsets the module remembers across calls (prepare/metadata_cache.py) keep their
     # element offsets too: the backward and the next layers launch nothing for them.
-    if owns(offsets):
-        return remembered("elements", (offsets,), stride, lambda: (offsets.long() * stride).view(-1, 1, 1, 1))
-    return (offsets.long() * stride).view(-1, 1, 1, 1)
+    return derived_from(offsets, ("elements", stride), lambda: (offsets.long() * stride).view(-1, 1, 1, 1))

@@ -14,7 +14,7 @@ import torch
 
 from .. import kernel_ops
 from ...environment import compiling
-from ...prepare.metadata_cache import owns, remembered
+from ...prepare.metadata_cache import derived_from
 from ..kernel_problem import KernelProblem, KernelRun, RowSpan, ScoreFeatures
 from .ops import stats_shape  # (importing .ops registers the cuDNN ops kernel_ops.ops dispatches to)
 
@@ -156,6 +156,4 @@ def _offsets64(run: KernelRun) -> tuple:
 
 def _int64(offsets: torch.Tensor) -> torch.Tensor:
     # Offsets bounded by made_safe are remembered across calls, and their int64 form with them.
-    if owns(offsets):
-        return remembered("int64", (offsets,), None, offsets.long)
-    return offsets.long()
+    return derived_from(offsets, "int64", offsets.long)
