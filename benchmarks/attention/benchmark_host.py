@@ -12,8 +12,9 @@ For each, forward alone and forward+backward:
 
 Each time is the median over calls, in two modes: eager, each call synchronized (from an idle GPU
 to its last kernel: host and GPU time), and graph-replayed (the call captured in a CUDA graph,
-each replay synchronized: GPU time alone). Direct and DPA calls alternate round by round, so
-drift on the machine hits both alike. The ratios DPA / direct are the issue's targets (<= 1.10
+each replay synchronized: GPU time alone). Eager direct and DPA calls alternate call by call
+(which goes first swaps each turn), so drift on the machine hits both alike; the H200's host
+moved blocks of 40 eager calls of one path by up to 20%. The ratios DPA / direct are the issue's targets (<= 1.10
 eager; graph-replayed unchanged or better).
 
   python benchmarks/attention/benchmark_host.py --out benchmarks/results/DIR
@@ -42,8 +43,8 @@ from benchmark_attention import ONLY, Env, _cudnn_fn  # run as a script: this di
 from profile_small import graphed
 from profile_stages import describe, shapes
 
-ROUNDS = 4  # alternating rounds of direct and DPA calls
-CALLS = 30  # timed calls per round and mode (eager times on the H200 host move by up to 20% between blocks of 40)
+ROUNDS = 4  # rounds of graph replays (eager calls: ROUNDS * CALLS turns)
+CALLS = 30  # timed calls per round and mode
 AUTOTUNE = {"off": "0", "autotune=1": "1", "autotune=gpu": "gpu"}
 
 
@@ -159,9 +160,9 @@ def measure_pair(results: Results, batch: Batch, lib: str, with_bwd: bool) -> No
         for fn in paths.values():
             synced_ms(fn, 3)  # warm up: JIT compiles, graph builds, the fast path's recipe
         eager: Dict[str, List[float]] = {name: [] for name in paths}
-        for _ in range(ROUNDS):
-            for name, fn in paths.items():
-                eager[name] += synced_ms(fn)
+        for i in range(ROUNDS * CALLS):  # call by call, in turns: the host's drift hits both alike
+            for name, fn in (list(paths.items()) if i % 2 == 0 else reversed(list(paths.items()))):
+                eager[name] += synced_ms(fn, 1)
         for name, make in (("direct", direct_make), ("DPA", dpa_call)):
             replay = graphed(step(make, batch, with_bwd))
             graph = [t for _ in range(ROUNDS) for t in synced_ms(replay)]
