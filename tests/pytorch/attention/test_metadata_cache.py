@@ -213,3 +213,23 @@ def test_module_reuses_metadata_and_follows_in_place_writes(as_on_cuda, fa4_lib,
         calls = fa4_lib.of("fwd")
         assert calls[1]["cu_seqlens_q"] is calls[0]["cu_seqlens_q"]  # the remembered bounded offsets
         assert calls[-1]["cu_seqlens_q"].tolist() == [0, 2, 9, 12]
+
+
+def test_a_remembered_plan_keeps_its_kernel_call(as_on_cuda, fa4_lib, monkeypatch):
+    """The problem and KernelCall of a remembered plan are made once per set of flags: a repeat
+    makes none, a call without gradients (no statistics) makes its own."""
+    from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_autograd
+
+    made = []
+    real = kernel_autograd.module_problem
+    monkeypatch.setattr(kernel_autograd, "module_problem", lambda *args: made.append(1) or real(*args))
+    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd", attn_mask_type="padding_causal")
+    qkv, cu = _batch(), _cu(0, 5, 8, 12)
+    first = _run(dpa, "FlashAttention v4", qkv, cu, 5)
+    again = _run(dpa, "FlashAttention v4", qkv, cu, 5)
+    assert len(made) == 1
+    _assert_close(again, first)
+    with torch.no_grad(), backend_scope(force="FlashAttention v4"):
+        out = dpa(*qkv, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
+    assert len(made) == 2 and fa4_lib.of("fwd")[-1]["lse"] is None
+    torch.testing.assert_close(out, first[0])

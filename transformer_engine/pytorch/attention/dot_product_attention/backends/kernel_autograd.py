@@ -15,6 +15,7 @@ import torch
 from .kernel_problem import NO_FEATURES, KernelProblem, KernelRun, ScoreFeatures
 from ..environment import compiling
 from ..prepare.inputs import AttentionInputs
+from ..prepare.metadata_cache import derived_from, owns
 from .varlen import VarlenPlan, gap_guard, packed_rows, zero_spill_rows, zero_spill_rows_in_place
 
 
@@ -112,14 +113,29 @@ def run_kernel(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan],
                                               or (bias is not None and bias.requires_grad)
                                               or (sink is not None and sink.requires_grad))
     max_logit = inp.return_max_logit and kernel.RETURNS_MAX_LOGIT
-    call = KernelCall(kernel, module_problem(inp, plan), guard, need_stats, inp.bias_type == "alibi",
-                      inp.dropout_p if training else 0.0, max_logit)
+    call = _kernel_call(kernel, inp, plan, guard, need_stats, inp.dropout_p if training else 0.0, max_logit)
     if not need_stats:  # nothing to differentiate: skip autograd.Function.apply (~10 us of host time)
         _, _, _, out, _, _, top = call.forward(q, k, v, bias, sink)
         return (out, top) if max_logit else out
     if _C_APPLY is None or compiling() or torch._C._are_functorch_transforms_active():
         return _KernelAttention.apply(q, k, v, bias, sink, call)
     return _C_APPLY(q, k, v, bias, sink, call)
+
+
+def _kernel_call(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan], guard: str, need_stats: bool, dropout_p: float,
+                 max_logit: bool) -> KernelCall:
+    """The call's KernelCall; for a remembered THD plan (prepare/metadata_cache.py) the one an
+    earlier call made with the same plan and flags (nothing changes a KernelCall once made, and
+    its problem reads only the plan, the plan's sides and the flags in the key)."""
+    alibi = inp.bias_type == "alibi"
+
+    def make() -> KernelCall:
+        return KernelCall(kernel, module_problem(inp, plan), guard, need_stats, alibi, dropout_p, max_logit)
+
+    if plan is None or not owns(plan):
+        return make()
+    key = ("call", kernel, guard, need_stats, alibi, dropout_p, max_logit, inp.softmax_scale, inp.same_lengths, inp.num_splits)
+    return derived_from(plan, key, make)
 
 
 def _kernel_bias(inp: AttentionInputs) -> Optional[torch.Tensor]:

@@ -172,7 +172,11 @@ def made_safe(pq: PackedSeqs, pk: PackedSeqs) -> "tuple[PackedSeqs, PackedSeqs]"
     tensor used by both sides is clamped to the smaller side. Remembered for later calls with
     the same unchanged tensors and bounds (metadata_cache.py): the same two records, so what
     is derived from them is remembered too."""
-    sources = (pq.cu_seqlens, pq.offsets, pk.cu_seqlens, pk.offsets)
+    cu = pq.cu_seqlens
+    if pq.offsets is cu and pk.cu_seqlens is cu and pk.offsets is cu:
+        sources: tuple = (cu,)  # self-attention without gaps (the common case): one tensor to key on
+    else:
+        sources = (cu, pq.offsets, pk.cu_seqlens, pk.offsets)
     bounds = (pq.max_seqlen, pq.total_tokens, pk.max_seqlen, pk.total_tokens)
     return remembered("sides", sources, bounds, lambda: _made_safe(pq, pk))
 
