@@ -9,6 +9,7 @@ GPU computes. So the number that matters per path is "main launch at": microseco
 call's start to the library kernel's launch (forward), and to the backward kernel's launch.
 
     python benchmarks/attention/trace_calls.py --out DIR [--shape short-gqa] [--libs FA4,cuDNN]
+    python benchmarks/attention/trace_calls.py --out DIR --analyze    # the summaries again, from DIR's traces
 
 Writes DIR/trace_calls.md (and a Chrome trace per path, DIR/trace_<lib>_<path>.json.gz).
 """
@@ -42,16 +43,14 @@ def _events(trace_path: Path) -> List[dict]:
 def launch_offsets(events: List[dict]) -> Dict[str, List[List[float]]]:
     """Per marked call (``call``/``fwd``/``bwd`` record_function ranges): the offsets (us)
     from the range's start to each kernel launch inside it, with the launched kernel's name."""
-    ranges = [e for e in events if e.get("ph") == "X" and e.get("name", "").startswith("mark:")]
+    # The host's ranges only (the profiler also mirrors each range on the GPU's timeline).
+    ranges = [e for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith("mark:")]
     launches = [e for e in events if e.get("ph") == "X" and e.get("name") in LAUNCHES]
     kernels = {e.get("args", {}).get("correlation"): e for e in events if e.get("cat") == "kernel"}
     out: Dict[str, List[List[float]]] = {}
     for r in ranges:
-        inside = [e for e in launches if r["ts"] <= e["ts"] <= r["ts"] + r["dur"] and e.get("tid") == r.get("tid")]
-        # The backward's launches run on autograd's device thread: take every thread's launches
-        # inside the range for the backward mark.
-        if r["name"] == "mark:bwd":
-            inside = [e for e in launches if r["ts"] <= e["ts"] <= r["ts"] + r["dur"]]
+        # Every thread's launches inside the range: the backward's run on autograd's device thread.
+        inside = [e for e in launches if r["ts"] <= e["ts"] <= r["ts"] + r["dur"]]
         rows = []
         for e in sorted(inside, key=lambda e: e["ts"]):
             k = kernels.get(e.get("args", {}).get("correlation"))
@@ -59,6 +58,17 @@ def launch_offsets(events: List[dict]) -> Dict[str, List[List[float]]]:
             rows.append([round(e["ts"] - r["ts"], 1), round((k or {}).get("dur", 0.0), 1), name[:70]])
         out.setdefault(r["name"][5:], []).append([round(r["dur"], 1)] + rows)
     return out
+
+
+def summary(lib: str, path: str, offsets: Dict[str, List[List[float]]]) -> List[str]:
+    """Per mark: the median range and the median call's launches."""
+    lines = [f"### {lib} {path}", ""]
+    for mark, calls in offsets.items():
+        median_call = sorted(calls, key=lambda c: c[0])[len(calls) // 2]
+        lines.append(f"{mark}: range median {statistics.median(c[0] for c in calls):.1f} us over {len(calls)} calls; the "
+                     "median call's launches (us from the range's start, kernel us, kernel):")
+        lines += [f"    {t:8.1f}  {d:7.1f}  {name}" for t, d, name in median_call[1:]]
+    return lines
 
 
 def host_ops(prof, n: int = 18) -> str:
@@ -93,14 +103,7 @@ def trace_path(lib: str, path: str, batch: Batch, out: Path, with_bwd: bool) -> 
     with open(raw, "rb") as src, gzip.open(str(raw) + ".gz", "wb") as dst:
         shutil.copyfileobj(src, dst)
     raw.unlink()
-    lines = [f"### {lib} {path} ({'fwd+bwd' if with_bwd else 'fwd'})", ""]
-    for mark, calls in offsets.items():
-        durs = [c[0] for c in calls]
-        lines.append(f"{mark}: range median {statistics.median(durs):.1f} us over {len(calls)} calls; the median call's "
-                     "launches (us from the range's start, kernel us, kernel):")
-        median_call = sorted(calls, key=lambda c: c[0])[len(calls) // 2]
-        lines += [f"    {t:8.1f}  {d:7.1f}  {name}" for t, d, name in median_call[1:]]
-    lines += ["", "```", host_ops(prof), "```", ""]
+    lines = summary(lib, path, offsets) + ["", "```", host_ops(prof), "```", ""]
     return "\n".join(lines)
 
 
@@ -109,8 +112,15 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shape", default="short-gqa")
     ap.add_argument("--libs", default="FA4,cuDNN")
+    ap.add_argument("--analyze", action="store_true", help="summarize the traces already in --out (no GPU needed), and exit")
     args = ap.parse_args()
     out = Path(args.out)
+    if args.analyze:
+        for trace in sorted(out.glob("trace_*_*.json.gz")):
+            lib, path = trace.name[len("trace_"):-len(".json.gz")].split("_", 1)
+            with gzip.open(trace) as f:
+                print("\n".join(summary(lib, path, launch_offsets(json.load(f)["traceEvents"]))) + "\n")
+        return
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     batch = Batch(shapes()[args.shape])

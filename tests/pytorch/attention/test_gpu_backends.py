@@ -183,7 +183,9 @@ def test_remembered_metadata_follows_refilled_cu_seqlens(label):
     # (the eager calls above) cannot be captured; the capture's backward assigns the gradients.
     leaves = [t.detach().clone().requires_grad_() for t in leaves]
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # Captured on the stream the warm-ups filled the cache on: without the capture guard the
+    # capture would take their remembered values, and the replays would keep the old lengths.
+    with torch.cuda.graph(graph, stream=side):
         captured = run_on(label, dpa, *leaves, **kw)
         captured.backward(g)
     cu.copy_(refill)

@@ -57,7 +57,7 @@ def test_gapped_lengths_are_remembered_with_both_offsets():
     assert c.offsets is not a.offsets and c.offsets.tolist() == [0, 4, 6]
 
 
-@pytest.mark.parametrize("write", ["copy_", "setitem", "no_grad add_"])
+@pytest.mark.parametrize("write", ["copy_", "setitem", "no_grad add_", "data ="])
 def test_an_in_place_write_derives_again(write):
     cu = _cu(0, 3, 7, 9)
     a = _bounded(cu)
@@ -66,6 +66,10 @@ def test_an_in_place_write_derives_again(write):
         cu.copy_(new)
     elif write == "setitem":
         cu[:] = new
+    elif write == "data =":  # a new storage, the version unchanged: the data pointer tells
+        version = cu._version
+        cu.data = new
+        assert cu._version == version
     else:
         with torch.no_grad():
             cu.add_(new - cu)
@@ -97,6 +101,51 @@ def test_inference_tensors_are_not_remembered():
     assert b.cu_seqlens is not a.cu_seqlens and a.cu_seqlens.tolist() == [0, 3, 7]
 
 
+def test_an_inference_tensor_among_the_sources_is_not_remembered():
+    """Only the offsets made in inference mode: their version counter does not exist."""
+    cu = _cu(0, 3, 5)
+    with torch.inference_mode():
+        offsets = _cu(0, 4, 9)
+    a, b = _bounded(cu, offsets=offsets), _bounded(cu, offsets=offsets)
+    assert b.offsets is not a.offsets and a.seqlens().tolist() == [3, 2]
+
+
+def test_values_made_in_inference_mode_are_not_kept_for_training_calls():
+    cu = _cu(0, 3, 7)
+    with torch.inference_mode():
+        inside = _bounded(cu)
+    outside = _bounded(cu)
+    assert outside.cu_seqlens is not inside.cu_seqlens and not outside.cu_seqlens.is_inference()
+
+
+def test_a_call_on_another_stream_derives_again(monkeypatch):
+    """A value made on one CUDA stream may not be ready on another (stood in for on the CPU)."""
+    cu = _cu(0, 3, 7)
+    monkeypatch.setattr(metadata_cache, "_stream_of", lambda t: "stream A")
+    a = _bounded(cu)
+    assert _bounded(cu).cu_seqlens is a.cu_seqlens
+    monkeypatch.setattr(metadata_cache, "_stream_of", lambda t: "stream B")
+    assert _bounded(cu).cu_seqlens is not a.cu_seqlens
+    monkeypatch.setattr(metadata_cache, "_stream_of", lambda t: False)  # a graph capture on the stream
+    assert not metadata_cache.owns(_bounded(cu).cu_seqlens)
+
+
+def test_a_dispatch_mode_sees_no_remembered_value():
+    """make_fx, export and FakeTensorMode trace through a dispatch mode: a remembered tensor
+    would become their graph's constant."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    cu = _cu(0, 3, 7)
+    a = _bounded(cu)
+    with Seen():
+        b = _bounded(cu)
+    assert b.cu_seqlens is not a.cu_seqlens and not metadata_cache.owns(b.cu_seqlens)
+
+
 def test_a_full_cache_is_emptied(monkeypatch):
     monkeypatch.setattr(metadata_cache, "MAX_ENTRIES", 2)
     tensors = [_cu(0, i + 1) for i in range(3)]
@@ -109,11 +158,26 @@ def test_a_full_cache_is_emptied(monkeypatch):
 
 def test_values_kept_with_one_tensor_are_bounded(monkeypatch):
     monkeypatch.setattr(metadata_cache, "MAX_DERIVED", 3)
-    cu = _cu(0, 3, 7)
-    lengths = [_bounded(cu, max_len=m).seqlens() for m in (4, 5, 6)]
-    assert _bounded(cu, max_len=4).seqlens() is lengths[0]
-    _bounded(cu, max_len=7).seqlens()  # a fourth value: the three kept are dropped
-    assert _bounded(cu, max_len=4).seqlens() is not lengths[0]
+    wide = cudnn_kernel._int64(_bounded(_cu(0, 3, 7)).cu_seqlens)
+    columns = [graphs._element_offsets(wide, stride) for stride in (8, 16, 24)]
+    assert graphs._element_offsets(wide, 8) is columns[0]
+    held = len(metadata_cache._OUTPUTS)
+    graphs._element_offsets(wide, 32)  # a fourth value: the three kept are dropped, and let go
+    assert graphs._element_offsets(wide, 8) is not columns[0]
+    assert len(metadata_cache._OUTPUTS) == held - 3 + 2
+    assert not any(metadata_cache.owns(c) for c in columns)
+
+
+def test_a_full_cache_keeps_the_inner_values_of_the_derivation_that_filled_it(monkeypatch):
+    """The cache is emptied before a derivation, not after: made_safe's bounds (remembered inside
+    the sides' derivation) survive, so what is derived from them keeps being remembered."""
+    monkeypatch.setattr(metadata_cache, "MAX_ENTRIES", 3)
+    for i in range(2):
+        _bounded(_cu(0, i + 1))
+    cu, offsets = _cu(0, 3, 5), _cu(0, 4, 9)  # gaps: "sides" and two "bounded" entries
+    a = _bounded(cu, offsets=offsets)
+    assert metadata_cache.owns(a.cu_seqlens) and metadata_cache.owns(a.offsets)
+    assert a.seqlens() is a.seqlens()
 
 
 def test_derivations_from_caller_tensors_are_not_remembered():
@@ -233,3 +297,41 @@ def test_a_remembered_plan_keeps_its_kernel_call(as_on_cuda, fa4_lib, monkeypatc
         out = dpa(*qkv, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
     assert len(made) == 2 and fa4_lib.of("fwd")[-1]["lse"] is None
     torch.testing.assert_close(out, first[0])
+
+
+def test_fp8_calls_follow_in_place_writes(as_on_cuda, cudnn_lib, monkeypatch):
+    """cuDNN's FP8 forward reads the remembered plan and element offsets too: a module whose
+    cu_seqlens are refilled in place gives what a module handed fresh tensors gives (the same
+    delayed-scaling history on both)."""
+    import transformer_engine.pytorch as te
+
+    from .fp8_helpers import delayed
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    FP8GlobalStateManager.reset()
+    monkeypatch.setenv("NVTE_UnfusedDPA_Emulate_FP8", "1")
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(12, H, 64, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(12, HG, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    lengths = ([5, 3, 4], [5, 3, 4], [2, 7, 3])
+
+    def steps(fresh_tensors: bool):
+        dpa = DotProductAttention(H, 64, num_gqa_groups=HG, qkv_format="thd", attn_mask_type="padding_causal")
+        cu = _cu(0, 5, 8, 12)
+        outs = []
+        for i, lens in enumerate(lengths):
+            new = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+            if fresh_tensors:
+                cu = new
+            elif i:
+                cu.copy_(new)
+            with backend_scope(force="FusedAttention"), te.autocast(recipe=delayed()), torch.no_grad():
+                outs.append(dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7, max_seqlen_kv=7))
+        return outs
+
+    refilled, fresh = steps(False), steps(True)
+    for a, b in zip(refilled, fresh):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=1e-3)  # stale offsets differ by O(1)
+    assert (refilled[2].float() - refilled[1].float()).abs().max() > 0.1  # the refill changed the sequences
+    assert len(cudnn_lib.of("fp8_fwd")) == 6  # the FP8 graphs ran, three calls per module
+    FP8GlobalStateManager.reset()

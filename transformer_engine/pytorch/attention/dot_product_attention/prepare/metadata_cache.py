@@ -3,8 +3,8 @@
 Every layer of a training step passes the same cu_seqlens tensors, and every call derives the
 same small tensors from them: the bounded offsets (``made_safe``: a clamp and a cummax), the
 valid lengths, cuDNN's int64 and element offsets. Each derivation is a kernel launch, and on a
-short batch each launch before the attention kernel adds its host time to the call's (about
-45 us per aten launch on the H200's host; cuDNN's forward made seven). :func:`remembered`
+short batch each launch before the attention kernel adds its host time to the call's (FA4's two
+took 70-87 us of the H200's host time; cuDNN's forward made seven). :func:`remembered`
 keeps them, keyed by the source tensors themselves, so layers 2..N of a step launch none.
 
 When a remembered value is reused (all of these hold, else it is derived again):
@@ -14,7 +14,10 @@ When a remembered value is reused (all of these hold, else it is derived again):
   ``fill_``, an out= op, a write under ``no_grad``) bumps the version and re-derives;
 - the call runs on the same CUDA stream (a value made on another stream may not be ready);
 - no CUDA graph is being captured (a capture records its own derivations, which replays redo),
-  torch.compile is not tracing, and the source is not an inference tensor (no version counter);
+  torch.compile is not tracing, no dispatch mode is active (make_fx, export, FakeTensorMode: a
+  remembered tensor must not become a traced graph's constant), and neither the sources nor the
+  call are in inference mode (inference tensors have no version counter, and values made there
+  must not reach training calls);
 - NVTE_ATTN_METADATA_CACHE is not "0".
 
 The contract this relies on is PyTorch's own for autograd's saved tensors: writes that bypass
@@ -60,10 +63,10 @@ def remembered(tag: str, sources: Tuple[torch.Tensor, ...], extra: Any, derive: 
     """``derive()`` (a tensor or tuple of tensors computed from the caller's ``sources`` and
     the hashable ``extra``), or the value an earlier call derived from the same unchanged
     sources on the same stream."""
-    first = sources[0]
-    if METADATA_CACHE.get("1") == "0" or compiling() or first.is_inference():
+    if (METADATA_CACHE.get("1") == "0" or compiling() or torch._C._len_torch_dispatch_stack()
+            or torch.is_inference_mode_enabled() or any(t.is_inference() for t in sources)):
         return derive()
-    stream = _stream_of(first)
+    stream = _stream_of(sources[0])
     if stream is False:
         return derive()
     key = (tag, extra, stream) + tuple((id(t), t._version) for t in sources)
@@ -71,9 +74,9 @@ def remembered(tag: str, sources: Tuple[torch.Tensor, ...], extra: Any, derive: 
     pointers = tuple(t.data_ptr() for t in sources)
     if entry is not None and entry[1] == pointers:
         return entry[2]
-    value = derive()
     if len(_ENTRIES) >= MAX_ENTRIES:
-        clear()
+        clear()  # before deriving: a derivation may remember inner values (made_safe's bounds) to keep
+    value = derive()
     _ENTRIES[key] = (sources, pointers, value)
     for t in value if isinstance(value, tuple) else (value,):
         _OUTPUTS[id(t)] = (t, {})
@@ -106,6 +109,9 @@ def derived_from(t: torch.Tensor, key: Any, derive: Callable[[], torch.Tensor]) 
     value = values.get(key)
     if value is None:
         if len(values) >= MAX_DERIVED:  # e.g. one tensor met with ever new max_seqlen values
+            for dropped in values.values():
+                if dropped is not t:  # (offsets.long() of int64 offsets is the tensor itself)
+                    _OUTPUTS.pop(id(dropped), None)
             values.clear()
         value = values[key] = derive()
         _OUTPUTS.setdefault(id(value), (value, {}))

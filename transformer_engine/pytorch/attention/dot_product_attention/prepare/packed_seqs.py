@@ -94,9 +94,9 @@ class PackedSeqs:
         """Valid length of each sequence, [B] int32 (one op: diff costs less host time than two
         slices and a subtraction). After :func:`made_safe`, also at most its slot and max_seqlen."""
         if self.bounded and owns(self.offsets):
-            # Bounded by made_safe from remembered offsets: the lengths are remembered with them
-            # (metadata_cache.py; derived_from checks cu_seqlens); otherwise derived per call
-            # (a cached_property would not trace under torch.compile).
+            # Bounded by made_safe from remembered offsets: the lengths are remembered with them,
+            # keyed on the bounded cu_seqlens (metadata_cache.py); otherwise derived per call (a
+            # cached_property would not trace under torch.compile).
             return derived_from(self.cu_seqlens, ("lengths", id(self.offsets), self.max_seqlen), self._lengths)
         return self._lengths()
 
