@@ -14,8 +14,8 @@ Each time is the median over calls, in two modes: eager, each call synchronized 
 to its last kernel: host and GPU time), and graph-replayed (the call captured in a CUDA graph,
 each replay synchronized: GPU time alone). Eager direct and DPA calls alternate call by call
 (which goes first swaps each turn), so drift on the machine hits both alike; the H200's host
-moved blocks of 40 eager calls of one path by up to 20%. The ratios DPA / direct are the issue's targets (<= 1.10
-eager; graph-replayed unchanged or better).
+moved blocks of 40 eager calls of one path by up to 20%. The ratios DPA / direct are the
+issue's targets (<= 1.10 eager; graph-replayed unchanged or better).
 
   python benchmarks/attention/benchmark_host.py --out benchmarks/results/DIR
 
