@@ -143,7 +143,9 @@ def test_a_dispatch_mode_sees_no_remembered_value():
     a = _bounded(cu)
     with Seen():
         b = _bounded(cu)
+        lengths = a.seqlens()  # a remembered record: what is derived from it under the mode is not kept
     assert b.cu_seqlens is not a.cu_seqlens and not metadata_cache.owns(b.cu_seqlens)
+    assert a.seqlens() is not lengths and a.seqlens() is a.seqlens()
 
 
 def test_a_full_cache_is_emptied(monkeypatch):

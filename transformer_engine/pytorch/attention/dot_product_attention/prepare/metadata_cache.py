@@ -109,8 +109,10 @@ def derived_from(t: torch.Tensor, key: Any, derive: Callable[[], torch.Tensor]) 
 
     No version, stream or capture check here: ``t`` came out of :func:`remembered` (or this
     function) for a call that passed those checks, on that call's stream, and nothing writes
-    it; its derivations are made and read by the calls that use it (and their backwards)."""
-    if compiling():
+    it; its derivations are made and read by the calls that use it (and their backwards). The
+    modes that would make a derivation something else than a plain tensor (a traced or fake
+    one, an inference tensor) are still checked: a backward may run under one."""
+    if compiling() or torch._C._len_torch_dispatch_stack() or torch.is_inference_mode_enabled():
         return derive()
     slot = _OUTPUTS.get(id(t))
     if slot is None or slot[0] is not t:
@@ -119,7 +121,7 @@ def derived_from(t: torch.Tensor, key: Any, derive: Callable[[], torch.Tensor]) 
     value = values.get(key)
     if value is None:
         if len(values) >= MAX_DERIVED:  # e.g. one tensor met with ever new max_seqlen values
-            for dropped in values.values():
+            for dropped in list(values.values()):  # (a backward thread may add one meanwhile)
                 if dropped is not t:  # (offsets.long() of int64 offsets is the tensor itself)
                     _OUTPUTS.pop(id(dropped), None)
             values.clear()
