@@ -3,9 +3,10 @@
 Its teeth: a repeated call on the same unchanged cu_seqlens derives nothing (the same bounded
 offsets, lengths and cuDNN offsets, forward and backward), and every change the contract names
 derives again with the new values: an in-place write (the module's outputs then follow the new
-sequences, which a cache keyed by identity alone would get wrong), another bound, the switch,
-inference tensors, a full cache. The module runs with the CUDA path's host work on the CPU (no
-value reads, offsets bounded on the device) and the library stand-ins."""
+sequences, which a cache keyed by identity alone would get wrong), a swapped storage, another
+bound, another stream, the switch, inference mode and tensors, dispatch modes, a full cache. The
+module runs with the CUDA path's host work on the CPU (no value reads, offsets bounded on the
+device) and the library stand-ins, FP8 on cuDNN's included."""
 
 from __future__ import annotations
 
