@@ -151,7 +151,7 @@ class Results:
 
 
 def measure_pair(results: Results, batch: Batch, lib: str, with_bwd: bool) -> None:
-    """Direct and DPA on one library, eager (alternating rounds) and graph-replayed."""
+    """Direct and DPA on one library, eager (alternating call by call) and graph-replayed."""
     tag = "fwd+bwd" if with_bwd else "fwd"
     direct_make = fa4_call if lib == "FA4" else cudnn_call
     with Env(ONLY[lib]):

@@ -41,7 +41,7 @@ def _events(trace_path: Path) -> List[dict]:
 
 
 def launch_offsets(events: List[dict]) -> Dict[str, List[List[float]]]:
-    """Per marked call (``call``/``fwd``/``bwd`` record_function ranges): the offsets (us)
+    """Per marked call (the ``mark:fwd``/``mark:bwd`` record_function ranges): the offsets (us)
     from the range's start to each kernel launch inside it, with the launched kernel's name."""
     # The host's ranges only (the profiler also mirrors each range on the GPU's timeline).
     ranges = [e for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith("mark:")]

@@ -1,8 +1,15 @@
-"""A spy on a backend's ``run``: the prepared :class:`AttentionInputs` each call hands it."""
+"""Spies: a backend's ``run`` (the prepared :class:`AttentionInputs` each call hands it), the
+gap-row zeroing launches, and dispatch modes that watch what aten ops return (the largest
+tensor, the peak of live storages)."""
 
 from __future__ import annotations
 
+import weakref
 from typing import List
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 def spy_inputs(monkeypatch, backend) -> List:
@@ -16,3 +23,54 @@ def spy_inputs(monkeypatch, backend) -> List:
 
     monkeypatch.setattr(backend, "run", staticmethod(spy))
     return seen
+
+
+def spy_zeroing(monkeypatch) -> List:
+    """Record the shape of every tensor the ``zero_gap_rows`` op zeroes (the op still runs)."""
+    from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
+
+    zeroed = []
+    real = kernel_ops._EAGER["zero_gap_rows"]
+    monkeypatch.setitem(kernel_ops._EAGER, "zero_gap_rows", lambda x, *rest: (zeroed.append(x.shape), real(x, *rest)))
+    return zeroed
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest floating-point tensor any aten op returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+class PeakMemory(TorchDispatchMode):
+    """Peak bytes of live storages that ops create while active (forward and backward), freed
+    when the storage dies. Deterministic: it counts what ops return, not what an allocator
+    caches, so it does not depend on the machine (workspace inside one kernel is not seen).
+    ``existing`` tensors (the inputs) are not counted, nor are views of them."""
+
+    def __init__(self, existing=()):
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen = weakref.WeakSet(t.untyped_storage() for t in existing)
+
+    def _free(self, nbytes):
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage() not in self.seen:
+                storage = t.untyped_storage()
+                self.seen.add(storage)
+                self.live += storage.nbytes()
+                weakref.finalize(storage, self._free, storage.nbytes())
+        self.peak = max(self.peak, self.live)
+        return out

@@ -342,6 +342,18 @@ def test_the_cli_says_when_autotune_chooses(monkeypatch, capsys):
 
 
 def test_fp8_calls_are_not_timed(timings):
-    """Timing an FP8 call would step its amax state; the fixed choice runs."""
+    """Timing an FP8 call would step its amax state; the fixed choice runs. (The selection is a
+    high-precision call's, with two candidates, so only the FP8 rule keeps them untimed.)"""
     inp = types.SimpleNamespace(q=torch.empty(30000, 1, 1), fp8=object())
-    assert autotune.tuned(get_attention_backend(THD, ALL), THD, inp, True).label == FA4 and timings.asked == []
+    selection = get_attention_backend(THD, ALL)
+    assert autotune.tuned(selection, dataclasses.replace(THD, fp8=True), inp, True) is selection and timings.asked == []
+
+
+@pytest.mark.parametrize("call", [["--fp8"], ["--kv-cache", "paged"]])
+def test_the_cli_says_nothing_of_autotune_where_it_does_not_choose(monkeypatch, capsys, call):
+    """FP8 calls and KV-cache steps are never timed: no autotune line for them."""
+    from transformer_engine.pytorch.attention.dot_product_attention.selection.explain import main as explain_main
+
+    monkeypatch.setenv("NVTE_ATTN_AUTOTUNE", "1")
+    explain_main(["--assume-all-libraries", "--format", "thd", "--mask", "padding_causal"] + call)
+    assert "NVTE_ATTN_AUTOTUNE" not in capsys.readouterr().out

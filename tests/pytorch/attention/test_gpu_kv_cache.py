@@ -33,6 +33,7 @@ from transformer_engine.pytorch.attention.inference import InferenceParams, atte
 
 from .gpu_helpers import run_on, sync_errors
 from .kv_schedules import LAYERS, Config, Packing, Picker, Simulation, check_output, load_example, pack, round_history
+from .spies import spy_zeroing
 from .test_kv_cache import run_step
 
 pytestmark = pytest.mark.gpu
@@ -103,7 +104,8 @@ DECODE = [OrderedDict([(0, 20), (1, 9), (2, 5)]), OrderedDict([(0, 1), (1, 1), (
 
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
 @pytest.mark.parametrize("paged", [False, True])
-def test_fa4_decode_steps_write_every_row_themselves(nan_buffers, fmt, paged):
+def test_fa4_decode_steps_write_every_row_themselves(nan_buffers, monkeypatch, fmt, paged):
+    zeroed = spy_zeroing(monkeypatch)
     cfg = gpu_config(fmt, paged, 16 if paged else 1)
     params = cfg.params(dtype=torch.bfloat16)
     params.allocate_memory(1)
@@ -119,6 +121,7 @@ def test_fa4_decode_steps_write_every_row_themselves(nan_buffers, fmt, paged):
         with torch.no_grad():
             out = run_on(FA4, dpa, q, k, v, inference_params=params)
         check_output(out.view(*out.shape[:-1], cfg.heads, cfg.dv).cpu(), sim, 1, step_dict, TOL)
+    assert zeroed == []  # the rows were FA4's own writes, not a zeroing launch's
 
 
 def test_the_unfused_cache_path_keeps_its_precision_inside_autocast():

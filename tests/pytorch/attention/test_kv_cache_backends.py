@@ -25,11 +25,12 @@ import torch
 from transformer_engine.pytorch import DotProductAttention, InferenceParams
 from transformer_engine.pytorch.attention import backend_scope
 from transformer_engine.pytorch.attention.dot_product_attention import AttentionParams, get_attention_backend
-from transformer_engine.pytorch.attention.dot_product_attention.backends import BACKENDS, backend_label, kernel_ops
+from transformer_engine.pytorch.attention.dot_product_attention.backends import BACKENDS, backend_label
 from transformer_engine.pytorch.attention.dot_product_attention.selection.backend_selection import kv_cache_support_markdown
 from transformer_engine.pytorch.attention.dot_product_attention.selection.explain import TESTED_LIBRARIES, main as explain_main
 
 from .kv_schedules import LAYERS, Config, Packing, Picker, Simulation, check_output, pack, round_history
+from .spies import spy_zeroing
 
 ALL = TESTED_LIBRARIES
 KV = AttentionParams(qkv_format="thd", attn_mask_type="padding_causal_bottom_right", head_dim_qk=128, head_dim_v=128,
@@ -164,9 +165,7 @@ def test_fa4_gets_the_cache_as_stored(fa4_lib, fmt, paged, mask, window):
 def test_unowned_rows_are_zeroed_unless_every_row_holds_a_token(fa4_lib, monkeypatch):
     """FA4 leaves rows it does not run unwritten: they are zeroed, one launch that a step whose
     rows all hold tokens (a full decode batch, eager) skips."""
-    zeroed = []
-    real = kernel_ops._EAGER["zero_gap_rows"]
-    monkeypatch.setitem(kernel_ops._EAGER, "zero_gap_rows", lambda x, *rest: (zeroed.append(x.shape), real(x, *rest)))
+    zeroed = spy_zeroing(monkeypatch)
     cfg = _cfg("bshd", True)
     params = cfg.params()
     params.allocate_memory(1)
@@ -194,9 +193,7 @@ def test_a_causal_decode_step_runs_every_entry_instead_of_zeroing(fa4_lib, monke
     """One query row per entry: FA4 runs every entry (seqused_q None) and the entry past the
     batch, with no keys, comes out 0 from the kernel itself (as on the H200), so no zeroing
     launch even while a graph could be capturing; a wider step keeps the zeroing."""
-    zeroed = []
-    real = kernel_ops._EAGER["zero_gap_rows"]
-    monkeypatch.setitem(kernel_ops._EAGER, "zero_gap_rows", lambda x, *rest: (zeroed.append(x.shape), real(x, *rest)))
+    zeroed = spy_zeroing(monkeypatch)
     cfg = _cfg(fmt, True)
     params = cfg.params()
     params.allocate_memory(1)

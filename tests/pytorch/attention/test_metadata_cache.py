@@ -15,12 +15,13 @@ import torch
 
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import backend_scope
-from transformer_engine.pytorch.attention.dot_product_attention.backends import varlen
+from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_autograd, varlen
 from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import graphs
 from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import kernel as cudnn_kernel
 from transformer_engine.pytorch.attention.dot_product_attention.prepare import fast_path, metadata_cache, packed_seqs
 from transformer_engine.pytorch.attention.dot_product_attention.prepare.packed_seqs import PackedSeqs, made_safe
 
+from .fp8_helpers import delayed, fp8_clean  # noqa: F401  (fp8_clean: autouse, every test starts with no FP8 state)
 from .stand_ins.cudnn import lengths_of, offsets_of, pack_of
 
 H, HG, D = 4, 2, 8
@@ -260,16 +261,21 @@ def test_module_reuses_metadata_and_follows_in_place_writes(as_on_cuda, fa4_lib,
 
         return counted
 
+    # Every module that reaches the cache, by the names it imports (setattr fails where a module
+    # no longer has one: one calling metadata_cache.<name> instead would escape the count).
+    users = {packed_seqs: ("remembered", "derived_from"), varlen: ("derived_from",), kernel_autograd: ("derived_from",),
+             cudnn_kernel: ("derived_from",), graphs: ("derived_from",)}
     with pytest.MonkeyPatch.context() as mp:
-        for module in (packed_seqs, varlen, cudnn_kernel, graphs):
-            for name in ("remembered", "derived_from"):
-                if hasattr(module, name):
-                    mp.setattr(module, name, counting(getattr(metadata_cache, name)))
+        for module, names in users.items():
+            for name in names:
+                mp.setattr(module, name, counting(getattr(metadata_cache, name)))
         again = _run(dpa, backend, qkv, cu, 5)
         assert derived == []  # forward and backward: every derivation was remembered
         cu.copy_(_cu(0, 2, 9, 12))  # other sequences, same rows: a cache keyed by identity alone would miss it
         moved = _run(dpa, backend, qkv, cu, 7)
         assert "sides" in derived and "bounded" in derived
+        if backend == "FusedAttention":  # cuDNN's own derivations follow the new offsets too
+            assert "int64" in derived and ("elements", 32) in derived
     _assert_close(again, first)
     _assert_close(moved, _unfused(qkv, [2, 7, 3]))
     if backend == "FusedAttention":  # what cuDNN was handed on the last call: the new offsets and lengths
@@ -302,17 +308,12 @@ def test_a_remembered_plan_keeps_its_kernel_call(as_on_cuda, fa4_lib, monkeypatc
     torch.testing.assert_close(out, first[0])
 
 
-def test_fp8_calls_follow_in_place_writes(as_on_cuda, cudnn_lib, monkeypatch):
+def test_fp8_calls_follow_in_place_writes(as_on_cuda, cudnn_lib, fp8_clean):
     """cuDNN's FP8 forward reads the remembered plan and element offsets too: a module whose
     cu_seqlens are refilled in place gives what a module handed fresh tensors gives (the same
     delayed-scaling history on both)."""
     import transformer_engine.pytorch as te
 
-    from .fp8_helpers import delayed
-    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-
-    FP8GlobalStateManager.reset()
-    monkeypatch.setenv("NVTE_UnfusedDPA_Emulate_FP8", "1")
     g = torch.Generator().manual_seed(5)
     q = torch.randn(12, H, 64, generator=g).to(torch.bfloat16)
     k, v = (torch.randn(12, HG, 64, generator=g).to(torch.bfloat16) for _ in range(2))
@@ -337,4 +338,3 @@ def test_fp8_calls_follow_in_place_writes(as_on_cuda, cudnn_lib, monkeypatch):
         torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=1e-3)  # stale offsets differ by O(1)
     assert (refilled[2].float() - refilled[1].float()).abs().max() > 0.1  # the refill changed the sequences
     assert len(cudnn_lib.of("fp8_fwd")) == 6  # the FP8 graphs ran, three calls per module
-    FP8GlobalStateManager.reset()

@@ -25,7 +25,7 @@ from transformer_engine.pytorch.attention.dot_product_attention.backends.gap_row
 from .gpu_helpers import env, grads_of
 from .packing import GAP_CASES, check_gaps_vs_dense_packing, make_thd
 from .reference import reference_thd
-from .test_unfused_memory import PeakMemory
+from .spies import PeakMemory
 
 H = 4
 

@@ -8,60 +8,16 @@ statistics."""
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from transformer_engine.pytorch import DotProductAttention
 
 from .gpu_helpers import env
 from .packing import make_thd
+from .spies import LargestTensor, PeakMemory
 
 H, HG, D = 4, 2, 8
-
-
-class LargestTensor(TorchDispatchMode):
-    """Records the largest floating-point tensor any aten op returns while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                self.numel = max(self.numel, t.numel())
-        return out
-
-
-class PeakMemory(TorchDispatchMode):
-    """Peak bytes of live storages that ops create while active (forward and backward), freed
-    when the storage dies. Deterministic: it counts what ops return, not what an allocator
-    caches, so it does not depend on the machine (workspace inside one kernel is not seen).
-    ``existing`` tensors (the inputs) are not counted, nor are views of them."""
-
-    def __init__(self, existing=()):
-        super().__init__()
-        self.live = self.peak = 0
-        self.seen = weakref.WeakSet(t.untyped_storage() for t in existing)
-
-    def _free(self, nbytes):
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage() not in self.seen:
-                storage = t.untyped_storage()
-                self.seen.add(storage)
-                self.live += storage.nbytes()
-                weakref.finalize(storage, self._free, storage.nbytes())
-        self.peak = max(self.peak, self.live)
-        return out
 
 
 def _peak(fn, existing):

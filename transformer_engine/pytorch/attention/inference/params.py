@@ -134,7 +134,7 @@ class InferenceParams:
         self.sequences, self.batch_size, self._step_lens = sequences, len(sequences), tuple(step_lens)
         self.sequences_pre_step = OrderedDict((seq, n - s) for (seq, n), s in zip(sequences.items(), step_lens))
         self._positions = {}  # the previous step's
-        self._write_lengths(step_lens, list(sequences.values()), list(self.sequences_pre_step.values()))
+        self._write_lengths(step_lens, list(sequences.values()))
 
     def _check_manager_sequences(self, sequences, step_dict) -> None:
         # A custom manager's answer must describe this step, or every offset below would be wrong.
@@ -147,14 +147,14 @@ class InferenceParams:
                 f"got {dict(sequences)} for step_dict {dict(step_dict)}"
             )
 
-    def _write_lengths(self, step_lens, cached_lens, pre_step_lens) -> None:
+    def _write_lengths(self, step_lens, cached_lens) -> None:
         pad = [0] * (self.max_batch_size + 1 - len(step_lens))
         cu_q = list(itertools.accumulate(step_lens, initial=0))
         cu_kv = list(itertools.accumulate(cached_lens, initial=0))
         rows = [None] * 5
         rows[_STEP_LENS] = step_lens + pad
         rows[_CACHED_LENS] = cached_lens + pad
-        rows[_PRE_STEP_LENS] = pre_step_lens + pad
+        rows[_PRE_STEP_LENS] = [n - s for n, s in zip(cached_lens, step_lens)] + pad
         rows[_CU_Q] = cu_q + [cu_q[-1]] * (len(pad) - 1)
         rows[_CU_KV] = cu_kv + [cu_kv[-1]] * (len(pad) - 1)
         self._lens.host_for_write().copy_(torch.tensor(rows, dtype=torch.int32))

@@ -30,7 +30,7 @@ import torch
 
 from ..prepare.inputs import AttentionInputs
 from . import kernel_ops
-from .flash_common import fa_mask_args
+from .flash_common import mask_args
 from .kv_rows import kv_output_rows, zero_unowned_rows
 
 _INTERFACE = "flash_attn.cute.interface"
@@ -79,7 +79,7 @@ def run_fa4_kv_cache(inp: AttentionInputs) -> torch.Tensor:
     """The KV call's output rows [rows, H, Dv] (rows no sequence owns 0)."""
     step, q = inp.kv_cache, inp.q
     out = kv_output_rows(inp)
-    mask = fa_mask_args(inp.mask)
+    mask = mask_args(inp.mask)
     every_row = decode_writes_every_row(step, mask)
     kernel_ops.ops.fa4_kv_fwd(q, step.k_cache, step.v_cache, out, step.page_table, step.cu_seqlens_q_padded,
                               None if every_row else step.seqlens_q, step.seqlens_kv, step.max_seqlen_q, step.max_seqlen_kv,

@@ -21,14 +21,15 @@ bf16, so switching libraries changes numerics within that noise, which a user sh
   run). ``NVTE_ATTN_AUTOTUNE=1`` (or ``eager``) times calls as eager ones: each from an idle GPU,
   host time included (what an eager step pays); ``gpu`` times GPU work alone, queued behind a
   GPU sleep (what a CUDA-graph replay pays). Synchronizes only there, on a bucket's first call.
-- **Never consulted** in deterministic mode (``torch.are_deterministic_algorithms_enabled()``
+- **Never consulted** (:func:`applies`) in deterministic mode (``torch.are_deterministic_algorithms_enabled()``
   or ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``), while torch.compile traces, under context
-  parallelism, or with ``backend_scope(force=...)``; under CUDA-graph capture nothing is timed
+  parallelism, for FP8 calls (timing would step their amax state) and KV-cache steps, or with
+  ``backend_scope(force=...)``; under CUDA-graph capture nothing is timed
   (timing inside a capture is impossible): the recorded choice, or the fixed order.
 - **Cache**: per process; with ``NVTE_ATTN_AUTOTUNE_CACHE=path.json`` also read from and
   written to that file (each process's new choices are added; a process reads the file once, on
   its first tuned call, so ranks agree where an earlier run filled it; ranks that meet a new
-  bucket together each time it and may choose differently).
+  bucket at the same time each time it and may choose differently).
 
 ``last_selection.report()`` says how the backend was chosen: "chosen by autotune: X 0.41 ms vs
 Y 0.47 ms" or "fixed preference order".
@@ -135,17 +136,21 @@ def candidates(selection: BackendSelection) -> List[str]:
             if not reasons and getattr(BACKENDS_BY_LABEL[label], "LIBRARY", None) is not None]
 
 
+def applies(selection: BackendSelection, params: AttentionParams) -> bool:
+    """Whether autotune chooses among ``selection``'s candidates for a call of ``params`` (the
+    rules of "Never consulted" above, in one place for the module and ``explain``)."""
+    return (mode() is not None and selection.backend is not None and not selection.forced and not deterministic()
+            # FP8: timing would step the amax state (and one backend, cuDNN, runs FP8 anyway)
+            and not params.fp8 and not params.kv_cache and not params.context_parallel
+            and len(candidates(selection)) > 1)
+
+
 def tuned(selection: BackendSelection, params: AttentionParams, inp, training: bool) -> BackendSelection:
     """``selection`` with the measured fastest candidate for ``inp``'s bucket, where autotune is
     on and consulted; else ``selection`` itself (its report says "fixed preference order")."""
-    how = mode()
-    if how is None or selection.backend is None or selection.forced or deterministic() or compiling():
+    if compiling() or not applies(selection, params):
         return selection
-    if getattr(inp, "fp8", None) is not None:
-        return selection  # timing would step the FP8 amax state; one backend (cuDNN) runs FP8 anyway
-    labels = candidates(selection)
-    if len(labels) < 2:
-        return selection
+    how, labels = mode(), candidates(selection)
     rows = inp.q.shape[0] if params.qkv_format == "thd" else inp.q.shape[0] * inp.q.shape[1]
     key = f"{how}:{bucket(params, rows, inp.q.device)}"  # each timing mode keeps its own choices
     choice = _recorded(key)

@@ -80,7 +80,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     selection = get_attention_backend(params, libs)
     print(selection.report())
     how = autotune.mode()
-    if how is not None:
+    if autotune.applies(selection, params):
         print(f"NVTE_ATTN_AUTOTUNE={AUTOTUNE.get('0')}: a call runs the fastest of {autotune.candidates(selection)} measured "
               f"({how} timing) on its shape bucket's first call; the line above is the fixed preference order")
     if not args.assume_all_libraries:

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ...fp8.quantize import amax_of, scaled_cast
+from ...fp8.quantize import scaled_cast
 from ...fp8.state import triton_available
 
 BLOCK = 2048
@@ -34,7 +34,8 @@ DEQUANT_BLOCK = 4096
 
 
 def fp8_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An FP8 tensor with ``t``'s shape AND strides (a dense permuted layout stays dense)."""
+    """A ``dtype`` tensor (FP8, or the dequantized copy's) with ``t``'s shape AND strides (a
+    dense permuted layout stays dense)."""
     return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)
 
 
@@ -51,7 +52,7 @@ def dequantize(x8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> t
         return (x8.float() * descale).to(dtype)
     from .fp8_cast_kernel import dequantize as kernel
 
-    out = torch.empty_strided(x8.shape, x8.stride(), dtype=dtype, device=x8.device)
+    out = fp8_like(x8, dtype)
     n = x8.numel()
     kernel[(-(-n // DEQUANT_BLOCK),)](_flat(x8), _flat(out), descale, n, BLOCK=DEQUANT_BLOCK)
     return out
@@ -75,7 +76,7 @@ def _cast_torch(x: torch.Tensor, out: torch.Tensor, q, valid: Optional[torch.Ten
     xf = x.detach().float()
     if valid is not None:  # rows no sequence owns: no amax, written as 0
         xf = torch.where(valid.view(-1, *([1] * (x.dim() - 1))), xf, torch.zeros((), device=x.device))
-    q.amax_buffer[q.slot] = torch.maximum(q.amax_buffer[q.slot], amax_of((xf,), (None,)))
+    q.amax_buffer[q.slot] = torch.maximum(q.amax_buffer[q.slot], xf.abs().amax())  # (cast_fp8: numel > 0)
     out.copy_(scaled_cast(xf, q.scale, q.dtype, q.fp8_max))
 
 
