@@ -145,6 +145,36 @@ def test_torch_compile_fullgraph(label):
 
 
 @pytest.mark.parametrize("label", list(GPU_BACKENDS))
+@pytest.mark.parametrize("tail", [0, 7])
+def test_zeroing_is_skipped_once_every_row_is_known_owned(label, tail, nan_buffers, monkeypatch):
+    """The rows fact (backends/varlen.py ``rows_fact``) on the device: the first call copies it
+    without waiting; once it has landed, a batch that fills its tensors makes no zeroing launch
+    (forward or backward), and one with a tail keeps zeroing it. Buffers start NaN-filled
+    (``nan_buffers``) and the tail holds NaN: a skipped row would show."""
+    from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
+
+    zeroed = []
+    for name in ("zero_gap_rows", "zero_gap_rows_qkv"):
+        real = kernel_ops._EAGER[name]
+        monkeypatch.setitem(kernel_ops._EAGER, name, lambda *args, _n=name, _r=real: (zeroed.append(_n), _r(*args)))
+    p = make_thd(LENGTHS, h=H, hg=H, d=D, dtype=torch.bfloat16, device="cuda", tail=tail)
+    kw = dict(cu_seqlens_q=p.cu_q, cu_seqlens_kv=p.cu_q, max_seqlen_q=511, max_seqlen_kv=511)
+    g = torch.randn(p.q.shape[0], H * D, device="cuda", dtype=torch.bfloat16)
+    dpa = DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding_causal")
+    first = run_on(label, dpa, p.q, p.k, p.v, **kw)
+    first = [first] + grads_of(first, [p.q, p.k, p.v], g)
+    torch.cuda.synchronize()  # the copy has landed
+    zeroed.clear()
+    again = run_on(label, dpa, p.q, p.k, p.v, **kw)
+    again = [again] + grads_of(again, [p.q, p.k, p.v], g)
+    assert bool(zeroed) == bool(tail)
+    valid = p.valid_q
+    for a, b in zip(again, first):
+        assert torch.isfinite(a[valid]).all() and rel_err(a[valid], b[valid]) < 1e-3
+        assert torch.all(a[~valid] == 0)
+
+
+@pytest.mark.parametrize("label", list(GPU_BACKENDS))
 def test_remembered_metadata_follows_refilled_cu_seqlens(label):
     """THD metadata is remembered per cu_seqlens tensor (prepare/metadata_cache.py): eager calls
     fill it, a capture after them must record its own derivations (replays after a refill follow

@@ -276,7 +276,7 @@ class _FA4Kernel:
             # argument its schema names, the mutated ones above all (dsink in the backward).
             fwd(q, k, v, out, lse, *_run_args(problem, run), problem.softmax_scale, *mask_args(run.spec),
                 learnable_sink=features.sink, num_splits=problem.num_splits)
-        if problem.rows_q is not None:
+        if problem.zeroes_rows:
             kernel_ops.ops.zero_gap_rows(out, *problem.rows_q, -1)
         return out, [lse]
 
@@ -293,7 +293,7 @@ class _FA4Kernel:
         for run in problem.runs:
             bwd(dout, q, k, v, out, stats[0], dq, dk, dv, *_run_args(problem, run), problem.softmax_scale,
                 *mask_args(run.spec), det, *sink_args)
-        if problem.rows_q is not None:
+        if problem.zeroes_rows:
             kernel_ops.ops.zero_gap_rows_qkv(dq, dk, dv, *problem.rows_q, *problem.rows_kv, -1)
         return dq, dk, dv, None, dsink
 

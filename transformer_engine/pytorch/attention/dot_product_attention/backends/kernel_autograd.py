@@ -134,7 +134,8 @@ def _kernel_call(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan], guard
 
     if plan is None or not owns(plan):
         return make()
-    key = ("call", kernel, guard, need_stats, alibi, dropout_p, max_logit, inp.softmax_scale, inp.same_lengths, inp.num_splits)
+    key = ("call", kernel, guard, need_stats, alibi, dropout_p, max_logit, inp.softmax_scale, inp.same_lengths, inp.num_splits,
+           plan.every_row_owned())
     return derived_from(plan, key, make)
 
 
@@ -158,7 +159,7 @@ def module_problem(inp: AttentionInputs, plan: Optional[VarlenPlan]) -> KernelPr
         return KernelProblem((run,), sq, skv, inp.softmax_scale, False, inp.same_lengths, num_splits=inp.num_splits)
     pq, pk = inp.packed_q, inp.packed_kv
     return KernelProblem(plan.calls, pq.max_seqlen, pk.max_seqlen, inp.softmax_scale, True, inp.same_lengths,
-                         *packed_rows(inp), num_splits=inp.num_splits)
+                         *packed_rows(inp), num_splits=inp.num_splits, every_row_owned=plan.every_row_owned())
 
 
 def _dense_lengths(valid: Optional[torch.Tensor], b: int, s: int, device) -> torch.Tensor:

@@ -84,6 +84,15 @@ class KernelProblem(NamedTuple):
     # TE's num_splits: a split-KV hint for kernels that have one (None: the library's default).
     # Results do not depend on it; a kernel without split-KV ignores it.
     num_splits: Optional[int] = None
+    # Known that every row of the packed tensors belongs to a sequence (VarlenPlan.rows_fact):
+    # nothing is left to zero.
+    every_row_owned: bool = False
+
+    @property
+    def zeroes_rows(self) -> bool:
+        """Whether the kernel zeroes the rows no sequence owns after its runs (``rows_q`` named
+        and not every row known to be owned)."""
+        return self.rows_q is not None and not self.every_row_owned
 
 
 @dataclass
@@ -126,3 +135,4 @@ class RowSpan:
     def pos(self) -> torch.Tensor:
         rows = torch.arange(self.seq.numel(), device=self.seq.device)
         return rows - self.offsets.long()[self.seq]
+

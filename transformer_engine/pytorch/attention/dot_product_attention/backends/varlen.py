@@ -23,7 +23,7 @@ from ..environment import SANITIZE_GAPS, THD_POLICY_COMPACT, compiling
 from .gap_rows import FA4_MAX_TILE_ROWS
 from .kernel_problem import KernelRun, PackedRows
 from ..prepare.inputs import AttentionInputs
-from ..prepare.metadata_cache import derived_from, owns
+from ..prepare.metadata_cache import LateFact, derived_from, owns
 from ..prepare.packed_seqs import PackedSeqs
 from . import kernel_ops
 
@@ -33,10 +33,17 @@ from . import kernel_ops
 class VarlenPlan:
     """How a packed batch maps onto varlen kernel calls: one run per live policy, each with the
     offsets it passes (the batch's physical ones, or, compacted, its own), and whether the batch
-    has gaps."""
+    has gaps. A remembered plan also carries ``rows_fact``: whether every row of the q and kv
+    tensors belongs to a sequence (:func:`rows_fact`)."""
 
     calls: List[KernelRun]
     has_gaps: bool
+    rows_fact: Optional[LateFact] = None
+
+    def every_row_owned(self) -> bool:
+        """Known (never waited for) that no row is left to zero: no gap, no tail, so neither
+        the gap-row zeroing nor FA4's NaN guard has a row to write."""
+        return self.rows_fact is not None and self.rows_fact.holds()
 
 
 def plan_varlen(inp: AttentionInputs, always_lengths: bool = False) -> VarlenPlan:
@@ -47,9 +54,40 @@ def plan_varlen(inp: AttentionInputs, always_lengths: bool = False) -> VarlenPla
     policies = inp.policies
     if policies is None and owns(pk):
         # Both sides remembered (metadata_cache.py): so is their one-run plan (its runs hold
-        # only their tensors; cuDNN keeps its int64 offsets on the run).
-        return derived_from(pq, ("plan", id(pk), inp.mask, always_lengths), lambda: _plan(pq, pk, None, inp.mask, always_lengths))
+        # only their tensors; cuDNN keeps its int64 offsets on the run), with its rows fact.
+        return derived_from(pq, ("plan", id(pk), inp.mask, always_lengths),
+                            lambda: _remembered_plan(pq, pk, inp.mask, always_lengths))
     return _plan(pq, pk, policies, inp.mask if policies is None else policies.uniform_spec(), always_lengths)
+
+
+def _remembered_plan(pq: PackedSeqs, pk: PackedSeqs, spec, always_lengths: bool) -> VarlenPlan:
+    plan = _plan(pq, pk, None, spec, always_lengths)
+    plan.rows_fact = rows_fact(pq, pk)
+    return plan
+
+
+def rows_fact(pq: PackedSeqs, pk: PackedSeqs) -> Optional[LateFact]:
+    """Whether ``zero_gap_rows`` would find no row to write in the q and kv tensors, as a
+    :class:`LateFact` (one to five small launches, once per remembered plan; None for an empty
+    batch). On a short batch the zeroing launch costs as much host time as the rest of the
+    call's own Python (a Triton launch: 70-110 us of the H200's host), and most packed batches
+    fill their tensors: the later layers of a step and every backward then skip it."""
+    if pq.batch_size == 0:
+        return None
+    if pk.cu_seqlens is pq.cu_seqlens and pk.offsets is pq.offsets and pk.total_tokens == pq.total_tokens:
+        return LateFact(_owned_rows(pq), [pq.total_tokens])
+    return LateFact(torch.cat([_owned_rows(pq), _owned_rows(pk)]), [pq.total_tokens, pk.total_tokens])
+
+
+def _owned_rows(p: PackedSeqs) -> torch.Tensor:
+    """[1] int64: how many rows of the side's tensor ``zero_gap_rows`` leaves alone, for
+    bounded offsets (non-decreasing within [0, T]). Sequence b holds min(len_b, slot_b) rows of
+    its slot, the last slot running to T; the rest of the tensor is what the zeroing writes."""
+    cu, off = p.cu_seqlens, p.offsets
+    if off is cu:  # rows [cu[0], cu[B]) belong to sequences
+        return (cu[-1:] - cu[:1]).long()
+    slots = torch.nn.functional.pad(off[1:-1], (0, 1), value=p.total_tokens) - off[:-1]
+    return torch.minimum(torch.diff(cu), slots).sum(dtype=torch.int64).view(1)
 
 
 def _plan(pq: PackedSeqs, pk: PackedSeqs, policies, spec, always_lengths: bool) -> VarlenPlan:
@@ -157,7 +195,7 @@ def gap_guard(plan: Optional[VarlenPlan], kernel) -> str:
     NVTE_FLASH_ATTN_SANITIZE_GAPS=copy works on copies instead (inputs untouched, one copy per
     tensor); =0 skips the guard (gap rows known to be finite). Under torch.compile the guard
     copies: an in-place write to graph inputs would become a copy there anyway."""
-    if plan is None or not plan.has_gaps or not kernel.SANITIZE_GAPS:
+    if plan is None or not plan.has_gaps or not kernel.SANITIZE_GAPS or plan.every_row_owned():
         return "off"
     mode = SANITIZE_GAPS.get("1")
     if mode == "0":

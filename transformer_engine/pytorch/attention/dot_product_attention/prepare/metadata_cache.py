@@ -32,7 +32,7 @@ those, so a chain stays consistent and its later lookups cost two dict reads.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -134,3 +134,47 @@ def clear() -> None:
     """Forget every remembered value (tests; a full cache)."""
     _ENTRIES.clear()
     _OUTPUTS.clear()
+
+
+class LateFact:
+    """Whether a few device integers equal the host integers ``expected``, learnt without
+    waiting: the values are copied to pinned host memory behind the stream's work
+    (``non_blocking``) and read once an event recorded after the copy has completed
+    (``Event.query`` never blocks). Until then :meth:`holds` says False, as it does when they
+    differ, so a caller that skips work on it only ever skips work the values make needless.
+
+    Made for remembered metadata (a value derived from cache outputs, which nothing writes): the
+    later layers of a step and the backwards read it after the first layer made it. On the CPU
+    the values are read at once (no device to wait for)."""
+
+    __slots__ = ("expected", "_host", "_event", "_known")
+
+    def __init__(self, values: torch.Tensor, expected: Sequence[int]):
+        self.expected = list(expected)
+        self._known: Optional[bool] = None
+        self._host, self._event = copy_to_host(values)
+        if self._event is None:
+            self._known = self._host.tolist() == self.expected
+
+    def holds(self) -> bool:
+        known = self._known
+        if known is None:
+            if not self._event.query():
+                return False
+            # A pinned host tensor: reading it is a memory read, not a device sync.
+            known = self._known = self._host.tolist() == self.expected
+            self._host = self._event = None
+        return known
+
+
+def copy_to_host(values: torch.Tensor):
+    """(host tensor, event to wait for or None): a CUDA tensor copied without waiting into
+    pinned memory, the event recorded after the copy on the tensor's current stream; a CPU
+    tensor as it is (tests replace this to stand in for a copy still in flight)."""
+    if not values.is_cuda:
+        return values, None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(values.device))
+    return host, event

@@ -182,7 +182,7 @@ def _forward(call: FP8Call, q8, k8, v8) -> Tuple[torch.Tensor, ...]:
     for i, slot in enumerate((fp8.s.slot, fp8.o.slot)):  # integer slots: views, no index tensor to upload
         fp8.fwd_amax[slot] = torch.maximum(fp8.fwd_amax[slot], amaxes[i, 0])
     out = dequantize(o8, table[_FWD_ROW["descale_o"], 0], call.dtype)
-    if empty and problem.rows_q is not None:  # THD rows no sequence owns: 0, as in the BF16 path
+    if empty and problem.zeroes_rows:  # THD rows no sequence owns: 0, as in the BF16 path
         kernel_ops.ops.zero_gap_rows(out, *problem.rows_q, -1)
     return _padded_rows_zeroed(call, out), o8, stats, table
 

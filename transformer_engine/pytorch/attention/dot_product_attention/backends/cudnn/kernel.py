@@ -52,7 +52,7 @@ class _CudnnKernel:
                 run_stats, run_max = kernel_ops.ops.cudnn_fwd_max(q, k, v, out, *_run_args(problem, run), *feature_args(features))
                 stats.append(run_stats)
                 torch.maximum(features.max_logit, run_max, out=features.max_logit)
-        if empty and problem.rows_q is not None:  # a zero-filled buffer's unowned rows are 0 already
+        if empty and problem.zeroes_rows:  # a zero-filled buffer's unowned rows are 0 already
             kernel_ops.ops.zero_gap_rows(out, *problem.rows_q, -1)
         return out, stats
 
@@ -64,7 +64,7 @@ class _CudnnKernel:
         grads = [kernel_ops.ops.cudnn_bwd(dout, q, k, v, out, st, dq, dk, dv, *_run_args(problem, run), det,
                                           *feature_args(features), need_dbias, features.need_dsink)
                  for run, st in zip(problem.runs, stats)]
-        if empty and problem.rows_q is not None:
+        if empty and problem.zeroes_rows:
             kernel_ops.ops.zero_gap_rows_qkv(dq, dk, dv, *problem.rows_q, *problem.rows_kv, -1)
         dbias = grads[0][0] if need_dbias else None  # a bias never meets per-sequence policies
         dsink = None
