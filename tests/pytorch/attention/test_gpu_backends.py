@@ -150,7 +150,8 @@ def test_zeroing_is_skipped_once_every_row_is_known_owned(label, tail, nan_buffe
     """The rows fact (backends/varlen.py ``rows_fact``) on the device: the first call copies it
     without waiting; once it has landed, a batch that fills its tensors makes no zeroing launch
     (forward or backward), and one with a tail keeps zeroing it. Buffers start NaN-filled
-    (``nan_buffers``) and the tail holds NaN: a skipped row would show."""
+    (``nan_buffers``): a row left unzeroed would show. The tail holds finite values: rows past
+    cu_seqlens[-1] without padded offsets are not NaN-guarded (README), FA4 reads them."""
     from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
 
     zeroed = []
@@ -158,6 +159,9 @@ def test_zeroing_is_skipped_once_every_row_is_known_owned(label, tail, nan_buffe
         real = kernel_ops._EAGER[name]
         monkeypatch.setitem(kernel_ops._EAGER, name, lambda *args, _n=name, _r=real: (zeroed.append(_n), _r(*args)))
     p = make_thd(LENGTHS, h=H, hg=H, d=D, dtype=torch.bfloat16, device="cuda", tail=tail)
+    with torch.no_grad():
+        for t in (p.q, p.k, p.v):
+            t[~p.valid_q] = 1.0
     kw = dict(cu_seqlens_q=p.cu_q, cu_seqlens_kv=p.cu_q, max_seqlen_q=511, max_seqlen_kv=511)
     g = torch.randn(p.q.shape[0], H * D, device="cuda", dtype=torch.bfloat16)
     dpa = DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding_causal")

@@ -269,7 +269,7 @@ class _FA4Kernel:
         lse = None
         if need_lse:  # without it FA4 runs its inference variant (no LSE store)
             shape = (q.shape[-2], q.shape[0]) if problem.varlen else (q.shape[0], q.shape[2], q.shape[1])
-            lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+            lse = q.new_empty(shape, dtype=torch.float32)
         fwd = kernel_ops.ops.fa4_fwd
         for run in problem.runs:
             # The sink is always passed (None without one): a traced custom op needs every
@@ -282,9 +282,11 @@ class _FA4Kernel:
 
     @staticmethod
     def backward(dout, q, k, v, out, stats, problem: KernelProblem, features: ScoreFeatures, need_dbias: bool):
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        # empty_like with an explicit contiguous format: torch.empty(shape, dtype=, device=)'s
+        # result at 0.9 instead of 1.8 us an allocation (argument parsing; on a CPU core).
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
         # Each policy's run adds the sum over its own rows into dsink (FA4 reduces
         # -exp(sink - lse) * rowsum(dO * O) over the rows it runs).
         dsink = None if features.sink is None else torch.zeros_like(features.sink)
