@@ -8,7 +8,7 @@ same call uninstrumented and the library called by hand on the same tensors:
   module            nn.Module's call, forward's own body, the output's reshape (what no stage claims)
   fast-path key     the fast path's key of host facts and its lookup
   preparation       the cached recipe turned into this call's AttentionInputs
-  metadata kernels  THD bounds (made_safe), valid lengths (seqlens), cuDNN's ragged offsets
+  metadata kernels  THD bounds (made_safe, safe_sides), valid lengths (seqlens), cuDNN's ragged offsets
   plan + problem    the varlen plan and the KernelProblem
   run_kernel        NaN-guard mode, bias and sink, the KernelCall record
   autograd Function torch's autograd.Function.apply and the ctx (forward); the Function's backward body
@@ -119,7 +119,7 @@ def patch_stages(clock: StageClock) -> None:
     for name in ("call_key", "lookup"):
         clock.patch(dpa_module, name, "fast-path key")
     clock.patch(fast_path.CallRecipe, "inputs", "preparation")
-    clock.patch(packed_seqs, "made_safe", "metadata kernels")
+    clock.patch(packed_seqs, "safe_sides", "metadata kernels")  # made_safe and the fast path both go through it
     clock.patch(packed_seqs.PackedSeqs, "seqlens", "metadata kernels")
     clock.patch(graphs, "metadata_pack", "metadata kernels")
     if hasattr(kernel, "_offsets64"):  # cuDNN's int64 offsets, once per forward

@@ -20,7 +20,7 @@ from transformer_engine.pytorch.attention import backend_scope
 from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_autograd, varlen
 from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import graphs
 from transformer_engine.pytorch.attention.dot_product_attention.backends.cudnn import kernel as cudnn_kernel
-from transformer_engine.pytorch.attention.dot_product_attention.prepare import fast_path, metadata_cache, packed_seqs
+from transformer_engine.pytorch.attention.dot_product_attention.prepare import metadata_cache, packed_seqs
 from transformer_engine.pytorch.attention.dot_product_attention.prepare.packed_seqs import PackedSeqs, made_safe
 
 from .fp8_helpers import delayed, fp8_clean  # noqa: F401  (fp8_clean: autouse, every test starts with no FP8 state)
@@ -208,9 +208,7 @@ def test_derivations_from_caller_tensors_are_not_remembered():
 def as_on_cuda(monkeypatch):
     """The CUDA path's host work on the CPU: no value reads, offsets bounded by made_safe."""
     monkeypatch.setattr(packed_seqs, "value_checks_on", lambda device: False)
-    bounded = lambda pq, pk: made_safe(pq, pk)  # noqa: E731
-    monkeypatch.setattr(packed_seqs, "checked_or_safe", bounded)
-    monkeypatch.setattr(fast_path, "checked_or_safe", bounded)
+    monkeypatch.setattr(packed_seqs, "bounded_on_device", lambda device: True)
 
 
 def _batch(seed=0):

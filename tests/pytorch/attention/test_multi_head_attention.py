@@ -131,7 +131,7 @@ def test_thd_rotary_prepares_the_packed_metadata_once(monkeypatch):
     from transformer_engine.pytorch.attention.dot_product_attention.prepare import call as prepare
     from transformer_engine.pytorch.attention.dot_product_attention.prepare import packed_seqs as thd
 
-    counts = {"prepare_sides": 0, "checked_or_safe": 0, "full path": 0}
+    counts = {"prepare_sides": 0, "sides_of": 0, "full path": 0}
 
     def counted(name, fn):
         def spy(*args, **kwargs):
@@ -141,7 +141,7 @@ def test_thd_rotary_prepares_the_packed_metadata_once(monkeypatch):
 
     for module in (rotary, prepare):
         monkeypatch.setattr(module, "prepare_sides", counted("prepare_sides", thd.prepare_sides))
-    monkeypatch.setattr(fast_path, "checked_or_safe", counted("checked_or_safe", thd.checked_or_safe))
+    monkeypatch.setattr(fast_path, "sides_of", counted("sides_of", thd.sides_of))
     monkeypatch.setattr(dpa_module, "prepare", counted("full path", prepare.prepare))
     torch.manual_seed(3)
     kw = dict(attention_dropout=0.0, fuse_qkv_params=True, params_dtype=torch.float64, device="cpu")
@@ -161,7 +161,7 @@ def test_thd_rotary_prepares_the_packed_metadata_once(monkeypatch):
         out = mha(x, rotary_pos_emb=freqs, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=off,
                   cu_seqlens_kv_padded=off, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
         # The second batch (same token count) repeats the first one's decisions: the fast path.
-        assert {name: counts[name] - before[name] for name in counts} == {"prepare_sides": 1, "checked_or_safe": 0,
+        assert {name: counts[name] - before[name] for name in counts} == {"prepare_sides": 1, "sides_of": 0,
                                                                           "full path": 1 - step}
         want = torch.cat([twin(x[int(o): int(o) + n].unsqueeze(0), rotary_pos_emb=freqs)[0] for o, n in zip(off[:-1], lengths)])
         torch.testing.assert_close(out[valid], want, rtol=1e-12, atol=1e-12)

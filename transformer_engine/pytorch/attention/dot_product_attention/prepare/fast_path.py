@@ -32,7 +32,7 @@ from .packed_qkv import ResolvedQKV, split_packed
 from .inputs import AttentionInputs, assemble_inputs, static_half
 from .policies import PolicyRecipe
 from .call import PackedSides, bshd_views
-from .packed_seqs import checked_or_safe, packed_side, validation_enabled
+from .packed_seqs import sides_of, validation_enabled
 from ..environment import compiling, env_snapshot
 from ..selection.autotune import key_part as autotune_key
 from .layouts import stride_rules_out_packing
@@ -80,8 +80,8 @@ class CallRecipe:
             if packed is None:
                 cu_q, cu_kv, cu_q_pad, cu_kv_pad = cus
                 # The sides as make_packed builds them, without its checks (the key fixed their outcome).
-                packed = checked_or_safe(packed_side(cu_q, cu_q_pad if self.q_padded else cu_q, max_seqlens[0], query.shape[0]),
-                                         packed_side(cu_kv, cu_kv_pad if self.kv_padded else cu_kv, max_seqlens[1], key.shape[0]))
+                packed = sides_of(cu_q, cu_q_pad if self.q_padded else cu_q, max_seqlens[0], query.shape[0],
+                                  cu_kv, cu_kv_pad if self.kv_padded else cu_kv, max_seqlens[1], key.shape[0])
             pq, pk = packed
             if self.policy is not None:
                 policies = self.policy.policies(per_seq, is_causal, pq.batch_size, query.device)
@@ -112,7 +112,12 @@ def recipe_of(inp: AttentionInputs, selection, qkv_format: str, qkv: ResolvedQKV
 
 def layer_facts(layers) -> Optional[tuple]:
     """(shape, strides, dtype, device, requires_grad) of each layer given (None where absent), or
-    None when one is not a plain tensor (the full path names it)."""
+    None when one is not a plain tensor (the full path names it). Separate q/k/v (the common
+    case) in one flat tuple, a form no other call's facts take (0.8 against 1.1 us a call)."""
+    q, k, v, qkv, kv = layers
+    if qkv is None and kv is None and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor:
+        return (q.shape, q.stride(), q.dtype, q.device, q.requires_grad, k.shape, k.stride(), k.dtype, k.device,
+                k.requires_grad, v.shape, v.stride(), v.dtype, v.device, v.requires_grad)
     facts = []
     for t in layers:
         if t is None:
@@ -137,9 +142,16 @@ def _thd_facts(cus, max_seqlens, pad_between_seqs) -> Optional[tuple]:
     if pad_between_seqs is not None and type(pad_between_seqs) is not bool:
         return None
     cu_q, cu_kv, pad_q, pad_kv = cus
+    max_q, max_kv = max_seqlens
+    if (cu_kv is cu_q and pad_q is None and pad_kv is None and type(cu_q) is torch.Tensor and type(max_q) is int
+            and type(max_kv) is int and max_q >= 0 and max_kv >= 0 and cu_q.numel()):
+        # Self-attention on one cu_seqlens without padded offsets (the common case), spelled out:
+        # the general facts below would be (facts, None, None, None) with the identity indices
+        # 0, 0; this form ("self", ...) is one no other call's facts take.
+        one_query = max_q == 1
+        return "self", cu_q.dtype, cu_q.dim(), cu_q.device, pad_between_seqs, one_query, one_query and max_kv > 1
     if pad_between_seqs is False and ((pad_q is not None and pad_q is not cu_q) or (pad_kv is not None and pad_kv is not cu_kv)):
         return None  # the full path checks that such padded offsets equal cu_seqlens
-    max_q, max_kv = max_seqlens
     if type(max_q) is not int or type(max_kv) is not int or max_q < 0 or max_kv < 0:
         return None
     if type(cu_q) is not torch.Tensor or not cu_q.numel():
