@@ -54,3 +54,23 @@ def full_paths(monkeypatch):
 
     monkeypatch.setattr(dpa_module, "prepare", counted)
     return calls
+
+
+@pytest.fixture
+def as_on_cuda(monkeypatch):
+    """The CUDA path's host work on the CPU: no value reads, offsets bounded by made_safe and
+    remembered (prepare/metadata_cache.py)."""
+    from transformer_engine.pytorch.attention.dot_product_attention.prepare import packed_seqs
+
+    monkeypatch.setattr(packed_seqs, "value_checks_on", lambda device: False)
+    monkeypatch.setattr(packed_seqs, "bounded_on_device", lambda device: True)
+
+
+@pytest.fixture
+def empty_metadata_cache():
+    """A test that starts and ends with nothing remembered (prepare/metadata_cache.py)."""
+    from transformer_engine.pytorch.attention.dot_product_attention.prepare import metadata_cache
+
+    metadata_cache.clear()
+    yield
+    metadata_cache.clear()

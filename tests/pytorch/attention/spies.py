@@ -35,6 +35,18 @@ def spy_zeroing(monkeypatch) -> List:
     return zeroed
 
 
+def spy_zeroing_ops(monkeypatch) -> List:
+    """Record the name of each zeroing op called (``zero_gap_rows``, ``zero_gap_rows_qkv``;
+    the ops still run)."""
+    from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
+
+    made = []
+    for name in ("zero_gap_rows", "zero_gap_rows_qkv"):
+        real = kernel_ops._EAGER[name]
+        monkeypatch.setitem(kernel_ops._EAGER, name, lambda *args, _n=name, _r=real: (made.append(_n), _r(*args)))
+    return made
+
+
 class LargestTensor(TorchDispatchMode):
     """Records the largest floating-point tensor any aten op returns while active."""
 

@@ -12,6 +12,7 @@ from transformer_engine.pytorch import DotProductAttention
 
 from .gpu_helpers import GPU_BACKENDS, check_graph_replay, grads_of, rel_err, run_on
 from .packing import GAP_CASES, check_gaps_vs_dense_packing, make_thd
+from .spies import spy_zeroing_ops
 
 pytestmark = pytest.mark.gpu
 H, D = 4, 128
@@ -152,12 +153,7 @@ def test_zeroing_is_skipped_once_every_row_is_known_owned(label, tail, nan_buffe
     (forward or backward), and one with a tail keeps zeroing it. Buffers start NaN-filled
     (``nan_buffers``): a row left unzeroed would show. The tail holds finite values: rows past
     cu_seqlens[-1] without padded offsets are not NaN-guarded (README), FA4 reads them."""
-    from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
-
-    zeroed = []
-    for name in ("zero_gap_rows", "zero_gap_rows_qkv"):
-        real = kernel_ops._EAGER[name]
-        monkeypatch.setitem(kernel_ops._EAGER, name, lambda *args, _n=name, _r=real: (zeroed.append(_n), _r(*args)))
+    zeroed = spy_zeroing_ops(monkeypatch)
     p = make_thd(LENGTHS, h=H, hg=H, d=D, dtype=torch.bfloat16, device="cuda", tail=tail)
     with torch.no_grad():
         for t in (p.q, p.k, p.v):

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import backend_scope
@@ -29,11 +27,7 @@ from .stand_ins.cudnn import lengths_of, offsets_of, pack_of
 H, HG, D = 4, 2, 8
 
 
-@pytest.fixture(autouse=True)
-def empty_cache():
-    metadata_cache.clear()
-    yield
-    metadata_cache.clear()
+pytestmark = pytest.mark.usefixtures("empty_metadata_cache")
 
 
 def _cu(*values):
@@ -204,13 +198,6 @@ def test_derivations_from_caller_tensors_are_not_remembered():
 # ------------------------------------------------------------------ the module, as on CUDA
 
 
-@pytest.fixture
-def as_on_cuda(monkeypatch):
-    """The CUDA path's host work on the CPU: no value reads, offsets bounded by made_safe."""
-    monkeypatch.setattr(packed_seqs, "value_checks_on", lambda device: False)
-    monkeypatch.setattr(packed_seqs, "bounded_on_device", lambda device: True)
-
-
 def _batch(seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(12, H, D, generator=g, dtype=torch.float64, requires_grad=True)
@@ -339,136 +326,3 @@ def test_fp8_calls_follow_in_place_writes(as_on_cuda, cudnn_lib, fp8_clean):
     assert (refilled[2].float() - refilled[1].float()).abs().max() > 0.1  # the refill changed the sequences
     assert len(cudnn_lib.of("fp8_fwd")) == 6  # the FP8 graphs ran, three calls per module
 
-
-# ------------------------------------------------------------------ the rows fact (VarlenPlan.rows_fact)
-
-
-def _kernel_rows(cu, off, total):
-    """The rows ``zero_gap_rows`` writes, counted row by row as its kernel walks the segments:
-    [0, off[0]), then after each sequence's end up to the next slot (the last one up to T)."""
-    cu, off = cu.tolist(), off.tolist()
-    b = len(cu) - 1
-    count = off[0]
-    for i in range(b):
-        start = off[i] + cu[i + 1] - cu[i]
-        stop = off[i + 1] if i + 1 < b else total
-        count += max(0, min(stop, total) - start)
-    return count
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=6), st.integers(0, 4),
-       st.integers(0, 3), st.booleans())
-def test_owned_rows_count_what_the_zeroing_leaves(seqs, head, tail, gaps):
-    """Every row of the tensor is either counted owned or written by ``zero_gap_rows``: the fact
-    says "nothing to zero" exactly when the kernel would write nothing (lengths may overrun their
-    slots, offsets may start past 0, the tensor may end past the last slot)."""
-    metadata_cache.clear()
-    lengths = [n for n, _ in seqs]
-    slots = [s for _, s in seqs] if gaps else lengths
-    off = [head]
-    for s in slots:
-        off.append(off[-1] + s)
-    total = off[-1] + tail
-    cu = _cu(*[0] + list(torch.tensor(lengths).cumsum(0).tolist()))
-    side = made_safe(*(PackedSeqs(cu, _cu(*off) if gaps else cu, 6, total),) * 2)[0]
-    owned = varlen._owned_rows(side).tolist()
-    assert owned == [total - _kernel_rows(side.cu_seqlens, side.offsets, total)]
-
-
-class _Copy:
-    """Stands in for the pinned copy of ``LateFact`` with one still in flight until ``landed``."""
-
-    def __init__(self):
-        self.landed = False
-        self.made = 0
-
-    def __call__(self, values):
-        self.made += 1
-        copy = self
-
-        class Event:
-            def query(self):
-                return copy.landed
-
-        return values.clone(), Event()
-
-
-def _zeroing(monkeypatch):
-    """Names of the zeroing ops each call makes (the ops still run)."""
-    from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
-
-    made = []
-    for name in ("zero_gap_rows", "zero_gap_rows_qkv"):
-        real = kernel_ops._EAGER[name]
-        monkeypatch.setitem(kernel_ops._EAGER, name, lambda *args, _n=name, _r=real: (made.append(_n), _r(*args)))
-    return made
-
-
-def _call(dpa, backend, qkv, cu, max_len, padded=None):
-    for t in qkv:
-        t.grad = None
-    extra = {} if padded is None else dict(cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded)
-    with backend_scope(force=backend):
-        out = dpa(*qkv, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len, **extra)
-    out.backward(torch.ones_like(out))
-    return [out.detach()] + [t.grad.clone() for t in qkv]
-
-
-@pytest.mark.parametrize("backend", ["FlashAttention v4", "FusedAttention"])
-@pytest.mark.parametrize("batch", ["filled", "empty gaps", "tail", "gaps"])
-def test_a_batch_filling_its_tensors_skips_the_zeroing_once_known(as_on_cuda, fa4_lib, cudnn_lib, monkeypatch, backend,
-                                                                   batch):
-    """No gap-row zeroing (nor FA4's NaN guard) once the copied fact says every row belongs to a
-    sequence; every call before the copy lands, and every call of a batch with a row to zero,
-    zeroes as before. The buffers are NaN-filled (``nan_buffers``): a row the skipped zeroing
-    should have written would show, and every call matches the unfused backend."""
-    copy = _Copy()
-    monkeypatch.setattr(metadata_cache, "copy_to_host", copy)
-    made = _zeroing(monkeypatch)
-    lengths = [5, 3, 4]
-    rows = 14 if batch == "tail" else 12
-    slots = {"empty gaps": lengths, "gaps": [6, 3, 5]}.get(batch)
-    g = torch.Generator().manual_seed(1)
-    qkv = [torch.randn(rows if slots is None else sum(slots), h, D, generator=g, dtype=torch.float64, requires_grad=True)
-           for h in (H, HG, HG)]
-    cu = _cu(0, 5, 8, 12)
-    padded = None if slots is None else torch.tensor([0] + list(torch.tensor(slots).cumsum(0)), dtype=torch.int32)
-    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd", attn_mask_type="padding_causal")
-    before = _call(dpa, backend, qkv, cu, 5, padded)
-    assert made and copy.made == 1  # in flight: zeroed as before (one plan, one copy)
-    copy.landed = True
-    made.clear()
-    after = _call(dpa, backend, qkv, cu, 5, padded)
-    assert bool(made) == (batch in ("tail", "gaps"))
-    assert copy.made == 1
-    want = _unfused([t[:12] if slots is None else _packed_rows(t, slots, lengths) for t in qkv], lengths)
-    for got in (before, after):
-        if slots is None:
-            _assert_close([t[:12] for t in got], want)
-            assert all((t[12:] == 0).all() for t in got)  # the tail: exactly 0
-        else:
-            _assert_close([_packed_rows(t, slots, lengths) for t in got], want)
-            assert all(torch.isfinite(t).all() for t in got)
-
-
-def _packed_rows(t, slots, lengths):
-    """The sequences' rows of ``t`` (laid out in ``slots``) packed without gaps."""
-    starts = [0] + list(torch.tensor(slots).cumsum(0).tolist())
-    return torch.cat([t[s:s + n] for s, n in zip(starts, lengths)])
-
-
-def test_the_fact_follows_an_in_place_write(as_on_cuda, fa4_lib, monkeypatch):
-    """Refilled cu_seqlens that stop short of the tensor's end: the plan is made again, with a
-    new fact, and the tail is zeroed (a fact kept by identity would skip it: NaN rows)."""
-    made = _zeroing(monkeypatch)
-    qkv = _batch()
-    cu = _cu(0, 5, 8, 12)
-    dpa = DotProductAttention(H, D, num_gqa_groups=HG, qkv_format="thd", attn_mask_type="padding_causal")
-    _call(dpa, "FlashAttention v4", qkv, cu, 5)
-    assert made == []  # known at once on the CPU: the batch fills its 12 rows
-    cu.copy_(_cu(0, 5, 8, 10))
-    got = _call(dpa, "FlashAttention v4", qkv, cu, 5)
-    assert made == ["zero_gap_rows", "zero_gap_rows_qkv"]
-    assert all((t[10:] == 0).all() for t in got)
-    _assert_close([t[:10] for t in got], _unfused([t.detach()[:10] for t in qkv], [5, 3, 2]))

@@ -128,14 +128,15 @@ def _kernel_call(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan], guard
     earlier call made with the same plan and flags (nothing changes a KernelCall once made, and
     its problem reads only the plan, the plan's sides and the flags in the key)."""
     alibi = inp.bias_type == "alibi"
+    owned = plan is not None and plan.every_row_owned()  # read once: the key and the problem agree
 
     def make() -> KernelCall:
-        return KernelCall(kernel, module_problem(inp, plan), guard, need_stats, alibi, dropout_p, max_logit)
+        return KernelCall(kernel, module_problem(inp, plan, owned), guard, need_stats, alibi, dropout_p, max_logit)
 
     if plan is None or not owns(plan):
         return make()
     key = ("call", kernel, guard, need_stats, alibi, dropout_p, max_logit, inp.softmax_scale, inp.same_lengths, inp.num_splits,
-           plan.every_row_owned())
+           owned)
     return derived_from(plan, key, make)
 
 
@@ -148,8 +149,9 @@ def _kernel_bias(inp: AttentionInputs) -> Optional[torch.Tensor]:
     return bias.contiguous()
 
 
-def module_problem(inp: AttentionInputs, plan: Optional[VarlenPlan]) -> KernelProblem:
-    """The prepared call as a kernel problem: the plan's runs (THD) or one dense run."""
+def module_problem(inp: AttentionInputs, plan: Optional[VarlenPlan], every_row_owned: Optional[bool] = None) -> KernelProblem:
+    """The prepared call as a kernel problem: the plan's runs (THD) or one dense run.
+    ``every_row_owned``: the plan's rows fact as the caller read it (None: read it here)."""
     if plan is None:
         b, sq, skv = inp.q.shape[0], inp.q.shape[1], inp.k.shape[1]
         lengths = (None, None)
@@ -159,7 +161,8 @@ def module_problem(inp: AttentionInputs, plan: Optional[VarlenPlan]) -> KernelPr
         return KernelProblem((run,), sq, skv, inp.softmax_scale, False, inp.same_lengths, num_splits=inp.num_splits)
     pq, pk = inp.packed_q, inp.packed_kv
     return KernelProblem(plan.calls, pq.max_seqlen, pk.max_seqlen, inp.softmax_scale, True, inp.same_lengths,
-                         *packed_rows(inp), num_splits=inp.num_splits, every_row_owned=plan.every_row_owned())
+                         *packed_rows(inp), num_splits=inp.num_splits,
+                         every_row_owned=plan.every_row_owned() if every_row_owned is None else every_row_owned)
 
 
 def _dense_lengths(valid: Optional[torch.Tensor], b: int, s: int, device) -> torch.Tensor:

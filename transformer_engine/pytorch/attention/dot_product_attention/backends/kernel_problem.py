@@ -135,4 +135,3 @@ class RowSpan:
     def pos(self) -> torch.Tensor:
         rows = torch.arange(self.seq.numel(), device=self.seq.device)
         return rows - self.offsets.long()[self.seq]
-

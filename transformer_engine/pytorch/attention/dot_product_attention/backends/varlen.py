@@ -24,7 +24,7 @@ from .gap_rows import FA4_MAX_TILE_ROWS
 from .kernel_problem import KernelRun, PackedRows
 from ..prepare.inputs import AttentionInputs
 from ..prepare.metadata_cache import LateFact, derived_from, owns
-from ..prepare.packed_seqs import PackedSeqs
+from ..prepare.packed_seqs import PackedSeqs, one_layout
 from . import kernel_ops
 
 
@@ -62,19 +62,23 @@ def plan_varlen(inp: AttentionInputs, always_lengths: bool = False) -> VarlenPla
 
 def _remembered_plan(pq: PackedSeqs, pk: PackedSeqs, spec, always_lengths: bool) -> VarlenPlan:
     plan = _plan(pq, pk, None, spec, always_lengths)
-    plan.rows_fact = rows_fact(pq, pk)
+    # One fact per remembered pair of sides, shared by every plan over them (FA4's and cuDNN's).
+    if pq.batch_size:
+        plan.rows_fact = derived_from(pq, ("rows", id(pk)), lambda: rows_fact(pq, pk))
     return plan
 
 
 def rows_fact(pq: PackedSeqs, pk: PackedSeqs) -> Optional[LateFact]:
     """Whether ``zero_gap_rows`` would find no row to write in the q and kv tensors, as a
-    :class:`LateFact` (one to five small launches, once per remembered plan; None for an empty
-    batch). On a short batch the zeroing launch costs as much host time as the rest of the
-    call's own Python (a Triton launch: 70-110 us of the H200's host), and most packed batches
-    fill their tensors: the later layers of a step and every backward then skip it."""
+    :class:`LateFact` (one or two small launches for self-attention without gaps, about a dozen
+    with gaps or distinct sides, and the copy; once per remembered pair of sides; None for an
+    empty batch). On a short batch the zeroing launch costs as much host time as the rest of the
+    call's own Python (a Triton launch: 71-126 us of the H200's host), and most packed batches
+    fill their tensors: the calls made after the fact has landed (the later layers of a step and
+    their backwards) skip it."""
     if pq.batch_size == 0:
         return None
-    if pk.cu_seqlens is pq.cu_seqlens and pk.offsets is pq.offsets and pk.total_tokens == pq.total_tokens:
+    if one_layout(pq, pk):
         return LateFact(_owned_rows(pq), [pq.total_tokens])
     return LateFact(torch.cat([_owned_rows(pq), _owned_rows(pk)]), [pq.total_tokens, pk.total_tokens])
 
@@ -194,7 +198,8 @@ def gap_guard(plan: Optional[VarlenPlan], kernel) -> str:
     In place, it writes only those rows of the caller's q/k/v, which belong to no sequence;
     NVTE_FLASH_ATTN_SANITIZE_GAPS=copy works on copies instead (inputs untouched, one copy per
     tensor); =0 skips the guard (gap rows known to be finite). Under torch.compile the guard
-    copies: an in-place write to graph inputs would become a copy there anyway."""
+    copies: an in-place write to graph inputs would become a copy there anyway. Off once the
+    plan's rows fact says every row belongs to a sequence (no row for the guard to write)."""
     if plan is None or not plan.has_gaps or not kernel.SANITIZE_GAPS or plan.every_row_owned():
         return "off"
     mode = SANITIZE_GAPS.get("1")

@@ -159,11 +159,12 @@ class LateFact:
     def holds(self) -> bool:
         known = self._known
         if known is None:
+            # The event and host copy are kept (never cleared): another thread (autograd's, a
+            # recompute) may be reading them at the same time.
             if not self._event.query():
                 return False
             # A pinned host tensor: reading it is a memory read, not a device sync.
             known = self._known = self._host.tolist() == self.expected
-            self._host = self._event = None
         return known
 
 

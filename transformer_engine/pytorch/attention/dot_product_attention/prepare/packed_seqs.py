@@ -188,9 +188,15 @@ def safe_sides(cu_q: torch.Tensor, off_q: torch.Tensor, max_q: int, total_q: int
                       lambda: _made_safe(packed_side(cu_q, off_q, max_q, total_q), packed_side(cu_kv, off_kv, max_kv, total_kv)))
 
 
+def one_layout(pq: PackedSeqs, pk: PackedSeqs) -> bool:
+    """Whether both sides lay out the same rows: the same cu_seqlens and offsets tensors over
+    tensors of the same length (self-attention; max_seqlen may differ)."""
+    return pk.cu_seqlens is pq.cu_seqlens and pk.offsets is pq.offsets and pk.total_tokens == pq.total_tokens
+
+
 def _made_safe(pq: PackedSeqs, pk: PackedSeqs) -> "tuple[PackedSeqs, PackedSeqs]":
     total = pq.total_tokens
-    if pk.cu_seqlens is pq.cu_seqlens and pk.offsets is pq.offsets and pk.total_tokens == total:
+    if one_layout(pq, pk):
         # Self-attention sharing its metadata (the common case): one bound tensor per distinct
         # tensor, one record for both sides when their max_seqlen agree.
         cu = _clamp_sorted(pq.cu_seqlens, total)
