@@ -25,25 +25,27 @@ def spy_inputs(monkeypatch, backend) -> List:
     return seen
 
 
-def spy_zeroing(monkeypatch) -> List:
-    """Record the shape of every tensor the ``zero_gap_rows`` op zeroes (the op still runs)."""
+def _spy_ops(monkeypatch, names, record) -> None:
+    """Call ``record(name, args)`` before each eager call of the named ``kernel_ops`` ops."""
     from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
 
+    for name in names:
+        real = kernel_ops._EAGER[name]
+        monkeypatch.setitem(kernel_ops._EAGER, name, lambda *args, _n=name, _r=real: (record(_n, args), _r(*args)))
+
+
+def spy_zeroing(monkeypatch) -> List:
+    """Record the shape of every tensor the ``zero_gap_rows`` op zeroes (the op still runs)."""
     zeroed = []
-    real = kernel_ops._EAGER["zero_gap_rows"]
-    monkeypatch.setitem(kernel_ops._EAGER, "zero_gap_rows", lambda x, *rest: (zeroed.append(x.shape), real(x, *rest)))
+    _spy_ops(monkeypatch, ("zero_gap_rows",), lambda name, args: zeroed.append(args[0].shape))
     return zeroed
 
 
 def spy_zeroing_ops(monkeypatch) -> List:
     """Record the name of each zeroing op called (``zero_gap_rows``, ``zero_gap_rows_qkv``;
     the ops still run)."""
-    from transformer_engine.pytorch.attention.dot_product_attention.backends import kernel_ops
-
     made = []
-    for name in ("zero_gap_rows", "zero_gap_rows_qkv"):
-        real = kernel_ops._EAGER[name]
-        monkeypatch.setitem(kernel_ops._EAGER, name, lambda *args, _n=name, _r=real: (made.append(_n), _r(*args)))
+    _spy_ops(monkeypatch, ("zero_gap_rows", "zero_gap_rows_qkv"), lambda name, args: made.append(name))
     return made
 
 

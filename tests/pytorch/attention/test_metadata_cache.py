@@ -224,7 +224,7 @@ def _unfused(qkv, lengths):
 
 def _assert_close(got, want):
     for a, b in zip(got, want):
-        torch.testing.assert_close(a.nan_to_num(), b.nan_to_num(), rtol=1e-7, atol=1e-7)
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)  # NaN anywhere fails (equal_nan is off)
 
 
 @pytest.mark.parametrize("backend", ["FlashAttention v4", "FusedAttention"])
@@ -322,7 +322,7 @@ def test_fp8_calls_follow_in_place_writes(as_on_cuda, cudnn_lib, fp8_clean):
 
     refilled, fresh = steps(False), steps(True)
     for a, b in zip(refilled, fresh):
-        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=1e-3)  # stale offsets differ by O(1)
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-3, atol=1e-3)  # stale offsets differ by O(1)
     assert (refilled[2].float() - refilled[1].float()).abs().max() > 0.1  # the refill changed the sequences
     assert len(cudnn_lib.of("fp8_fwd")) == 6  # the FP8 graphs ran, three calls per module
 

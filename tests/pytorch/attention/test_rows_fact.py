@@ -3,8 +3,9 @@ whether every row of a packed batch's q/k/v tensors belongs to a sequence, copie
 without waiting; once it has landed, remembered plans skip the gap-row zeroing and FA4's NaN
 guard.
 
-Its teeth: the owned-row count equals what the zeroing kernel leaves alone (its segment walk
-spelled out row by row, lengths overrunning their slots and offsets past 0 included); on both
+Its teeth: the owned-row count equals what the zeroing leaves alone (``gap_rows.unowned_rows``,
+the reference test_thd_gaps holds the Triton kernel to; lengths overrunning their slots and
+offsets past 0 included); on both
 library stand-ins, with NaN-filled buffers, the zeroing runs while the copy is in flight and
 for every batch with a row to zero (a tail on either side, real gaps), is skipped once the copy
 says every row is owned, and every call matches the unfused backend; an in-place refill that
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import backend_scope
 from transformer_engine.pytorch.attention.dot_product_attention.backends import varlen
+from transformer_engine.pytorch.attention.dot_product_attention.backends.gap_rows import unowned_rows
 from transformer_engine.pytorch.attention.dot_product_attention.prepare import metadata_cache
 from transformer_engine.pytorch.attention.dot_product_attention.prepare.packed_seqs import PackedSeqs, made_safe
 
@@ -42,20 +44,6 @@ def _cumulative(lengths, start=0):
     return out
 
 
-def _kernel_rows(cu, off, total):
-    """The rows ``zero_gap_rows`` writes, counted as its kernel walks the segments: [0, off[0]),
-    then from each sequence's end (its offset plus its cu_seqlens length) up to the next slot,
-    the last one up to T."""
-    cu, off = cu.tolist(), off.tolist()
-    b = len(cu) - 1
-    count = off[0]
-    for i in range(b):
-        start = off[i] + cu[i + 1] - cu[i]
-        stop = off[i + 1] if i + 1 < b else total
-        count += max(0, min(stop, total) - start)
-    return count
-
-
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=6), st.integers(0, 4),
        st.integers(0, 3), st.booleans())
@@ -72,7 +60,8 @@ def test_owned_rows_count_what_the_zeroing_leaves(seqs, head, tail, gaps):
         cu = off = _cu(_cumulative(lengths, head))
     total = int(off[-1]) + tail
     side = made_safe(*(PackedSeqs(cu, off, 6, total),) * 2)[0]
-    assert varlen._owned_rows(side).tolist() == [total - _kernel_rows(side.cu_seqlens, side.offsets, total)]
+    written = int(unowned_rows(side.cu_seqlens, side.offsets, total).sum())  # the kernel's reference (test_thd_gaps)
+    assert varlen._owned_rows(side).tolist() == [total - written]
 
 
 class _Copy:
@@ -110,10 +99,13 @@ def _call(dpa, backend, qkv, cus, max_len):
     return [out.detach()] + [t.grad.clone() for t in qkv]
 
 
-def _rows(t, slots, lengths):
-    """The sequences' rows of ``t`` (laid out in ``slots``) packed without gaps."""
-    starts = _cumulative(slots)
-    return torch.cat([t[s:s + n] for s, n in zip(starts, lengths)])
+def _owned(rows, slots, lengths):
+    """[rows] bool: the rows holding a token, sequences laid out in ``slots`` (None: back to back)."""
+    starts = _cumulative(lengths if slots is None else slots)
+    mask = torch.zeros(rows, dtype=torch.bool)
+    for s, n in zip(starts, lengths):
+        mask[s:s + n] = True
+    return mask
 
 
 def _unfused(qkv, lengths_q, lengths_kv, mask):
@@ -167,16 +159,13 @@ def test_the_zeroing_is_skipped_once_every_row_is_known_owned(as_on_cuda, fa4_li
     made.clear()
     after = _call(dpa, backend, qkv, cus, 5)
     assert bool(made) == (launches and batch in ZEROED) and copy.made == 1
-    pick_q = (lambda t: t[:12]) if slots_q is None else (lambda t: _rows(t, slots_q, lengths_q))
-    pick_kv = (lambda t: t[:sum(lengths_kv)]) if slots_kv is None else (lambda t: _rows(t, slots_kv, lengths_kv))
-    picks = (pick_q, pick_q, pick_kv, pick_kv)  # out, dq, dk, dv
-    want = _unfused([pick(t.detach()) for pick, t in zip(picks[1:], qkv)], lengths_q, lengths_kv, mask)
+    owned_q, owned_kv = _owned(rows_q, slots_q, lengths_q), _owned(rows_kv, slots_kv, lengths_kv)
+    owned = (owned_q, owned_q, owned_kv, owned_kv)  # out, dq, dk, dv
+    want = _unfused([t.detach()[rows] for rows, t in zip(owned[1:], qkv)], lengths_q, lengths_kv, mask)
     for got in (before, after):
-        for pick, a, b in zip(picks, got, want):
-            torch.testing.assert_close(pick(a), b, rtol=1e-7, atol=1e-7)
-        owned = sum(lengths_q), sum(lengths_q), sum(lengths_kv), sum(lengths_kv)
-        for a, n in zip(got, owned):  # rows no sequence owns: exactly 0 (NaN would fail too)
-            assert torch.isfinite(a).all() and int((a != 0).any(dim=tuple(range(1, a.dim()))).sum()) <= n
+        for rows, a, b in zip(owned, got, want):
+            torch.testing.assert_close(a[rows], b, rtol=1e-7, atol=1e-7)
+            assert torch.all(a[~rows] == 0)  # rows no sequence owns: exactly 0 (a NaN row fails too)
 
 
 def test_the_fact_follows_an_in_place_write(as_on_cuda, fa4_lib, monkeypatch):

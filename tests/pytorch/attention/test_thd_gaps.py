@@ -65,11 +65,21 @@ def test_unowned_rows_docstring_example():
     assert unowned_rows(_i32([0, 3, 5, 9]), _i32([0, 4, 8, 12]), 13, max_rows=1).nonzero().flatten().tolist() == [3, 6, 12]
 
 
+def test_unowned_rows_where_lengths_overrun_their_slots():
+    """Unchecked CUDA input can give a sequence more tokens than its slot: the kernel writes
+    nothing after it (its end lies past the next slot), and the segments after it still count
+    (their starts are then out of order)."""
+    rows = unowned_rows(_i32([0, 4, 15, 15]), _i32([8, 10, 15, 18]), 18)
+    assert rows.nonzero().flatten().tolist() == list(range(8)) + [15, 16, 17]
+
+
 @st.composite
 def layouts(draw):
     b = draw(st.integers(0, 5))
     lengths = draw(st.lists(st.integers(0, 40), min_size=b, max_size=b))
-    gaps = draw(st.lists(st.integers(0, 40), min_size=b, max_size=b))
+    # A negative gap shrinks the slot below its sequence (a length overrunning its slot, which
+    # only unchecked CUDA input can give): that segment is empty.
+    gaps = draw(st.lists(st.integers(-10, 40), min_size=b, max_size=b))
     lead, tail = draw(st.integers(0, 5)), draw(st.integers(0, 40))
     max_rows = draw(st.sampled_from([-1, 0, 1, 7, 16, 33]))
     packed = draw(st.booleans())  # q as a strided view of an interleaved qkv tensor
@@ -84,7 +94,7 @@ def test_triton_kernel_writes_exactly_the_unowned_rows(layout):
     cu, off = [0], [lead]
     for n, g in zip(lengths, gaps):
         cu.append(cu[-1] + n)
-        off.append(off[-1] + n + g)
+        off.append(off[-1] + max(n + g, 0))
     total = off[-1] + tail
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(total, 3, h, d, device=device)[:, 1]  # packed: a strided view of qkv
@@ -92,13 +102,13 @@ def test_triton_kernel_writes_exactly_the_unowned_rows(layout):
     rows = unowned_rows(_i32(cu), _i32(off), total, max_rows)
     want = x.cpu().clone()
     want[rows] = 0
-    # The rule, spelled out: rows after each end (and before the first slot), capped.
+    # The rule, spelled out: rows from each end (and from row 0) up to the next slot (the last
+    # one up to T), capped; a row is written when some segment holds it.
     starts = [0] + [o + n for o, n in zip(off, lengths)]
     stops = off[: len(lengths)] + [total] if lengths else [total]
+    caps = [stop if max_rows < 0 else min(stop, start + max_rows) for start, stop in zip(starts, stops)]
     for r in range(total):
-        seg = max(i for i, s in enumerate(starts) if s <= r)
-        cap = stops[seg] if max_rows < 0 else min(stops[seg], starts[seg] + max_rows)
-        assert bool(rows[r]) == (r < cap)
+        assert bool(rows[r]) == any(start <= r < cap for start, cap in zip(starts, caps))
     launch_triton(x, _i32(cu).to(device), _i32(off).to(device), max_rows)
     assert torch.equal(x.cpu(), want)  # bit-exact: rows are zeroed or left alone, never computed
 

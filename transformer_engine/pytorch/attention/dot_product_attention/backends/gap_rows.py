@@ -40,18 +40,24 @@ _MAX_PROGRAMS = 4096
 
 
 def unowned_rows(cu_seqlens: torch.Tensor, offsets: torch.Tensor, total: int, max_rows: int = -1) -> torch.Tensor:
-    """[T] bool: the rows ``zero_gap_rows`` writes (sync-free; used on the CPU and in tests)."""
-    rows = torch.arange(total, device=offsets.device, dtype=torch.int64)
+    """[T] bool: the rows ``zero_gap_rows`` writes, segment by segment as its kernel walks them
+    (sync-free; used on the CPU and in tests). Segment 0 is [0, offsets[0]), segment b+1 runs
+    from sequence b's end (its offset plus its cu_seqlens length) to the next slot, the last one
+    to T; each capped at ``max_rows`` rows and at T. A length that overruns its slot leaves its
+    segment empty. Non-decreasing offsets keep the segments disjoint."""
     off = offsets.long()
     ends = off[:-1] + (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    # Segment s >= 1 starts at sequence s-1's end; segment 0 is the rows before the first slot.
-    seg_start = torch.cat([ends.new_zeros(1), ends])
-    seg_stop = torch.cat([off[:1], off[1:-1], off.new_full((1,), total)]) if off.numel() > 1 else off.new_full((1,), total)
+    starts = torch.cat([off.new_zeros(1), ends]).clamp(0, total)
+    stops = torch.cat([off[:-1], off.new_full((1,), total)]) if off.numel() > 1 else off.new_full((1,), total)
     if max_rows >= 0:
-        seg_stop = torch.minimum(seg_stop, seg_start + max_rows)
-    # A row belongs to the last segment that starts at or before it.
-    seg = torch.searchsorted(seg_start, rows, right=True) - 1
-    return (seg >= 0) & (rows < seg_stop[seg.clamp_min(0)])
+        stops = torch.minimum(stops, starts + max_rows)
+    stops = stops.clamp(0, total)
+    live = (starts < stops).long()
+    # +1 where a segment starts, -1 where it stops (dead segments add 0 at row T): rows with a
+    # positive running sum lie in a segment.
+    delta = torch.zeros(total + 1, dtype=torch.int64, device=off.device)
+    delta.index_add_(0, starts, live).index_add_(0, stops, -live)
+    return delta.cumsum(0)[:total] > 0
 
 
 @functools.lru_cache(maxsize=None)

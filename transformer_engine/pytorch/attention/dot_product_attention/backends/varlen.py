@@ -68,16 +68,14 @@ def _remembered_plan(pq: PackedSeqs, pk: PackedSeqs, spec, always_lengths: bool)
     return plan
 
 
-def rows_fact(pq: PackedSeqs, pk: PackedSeqs) -> Optional[LateFact]:
+def rows_fact(pq: PackedSeqs, pk: PackedSeqs) -> LateFact:
     """Whether ``zero_gap_rows`` would find no row to write in the q and kv tensors, as a
     :class:`LateFact` (one or two small launches for self-attention without gaps, about a dozen
-    with gaps or distinct sides, and the copy; once per remembered pair of sides; None for an
-    empty batch). On a short batch the zeroing launch costs as much host time as the rest of the
+    with gaps or distinct sides, and the copy; once per remembered pair of sides of at least one
+    sequence). On a short batch the zeroing launch costs as much host time as the rest of the
     call's own Python (a Triton launch: 71-126 us of the H200's host), and most packed batches
     fill their tensors: the calls made after the fact has landed (the later layers of a step and
     their backwards) skip it."""
-    if pq.batch_size == 0:
-        return None
     if one_layout(pq, pk):
         return LateFact(_owned_rows(pq), [pq.total_tokens])
     return LateFact(torch.cat([_owned_rows(pq), _owned_rows(pk)]), [pq.total_tokens, pk.total_tokens])

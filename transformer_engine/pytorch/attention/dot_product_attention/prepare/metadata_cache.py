@@ -103,9 +103,11 @@ def owns(t: torch.Tensor) -> bool:
     return slot is not None and slot[0] is t
 
 
-def derived_from(t: torch.Tensor, key: Any, derive: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``derive()``, a tensor computed from ``t`` (and from other tensors the cache holds,
-    named in the hashable ``key``), remembered with ``t`` where the cache holds ``t``.
+def derived_from(t: Any, key: Any, derive: Callable[[], Any]) -> Any:
+    """``derive()``, a value computed from ``t`` (and from other values the cache holds, named
+    in the hashable ``key``), remembered with ``t`` where the cache holds ``t``: a tensor, or a
+    record made only of such values (the varlen plan, its KernelCall, its rows fact), which can
+    hold derivations of its own.
 
     No version, stream or capture check here: ``t`` came out of :func:`remembered` (or this
     function) for a call that passed those checks, on that call's stream, and nothing writes
