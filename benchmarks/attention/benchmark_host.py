@@ -233,13 +233,14 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="directory for host_bench.json / host_bench.md")
     ap.add_argument("--shapes", default="short-gqa,short-d64,32k")
     ap.add_argument("--budget", type=float, default=210.0, help="seconds after which the rows left are skipped")
+    ap.add_argument("--what", default="FA4,cuDNN,autotune", help="which comparisons (before/after runs leave out autotune)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, _interrupt)  # a timeout's TERM: write what was measured
     torch.manual_seed(0)
     os.environ.pop("NVTE_ATTN_AUTOTUNE", None)
     results = Results(Path(args.out), args.budget)
     plan = [(name, with_bwd, what) for name in args.shapes.split(",") for with_bwd in (False, True)
-            for what in ("FA4", "cuDNN", "autotune")]
+            for what in args.what.split(",")]
     try:
         for name, with_bwd, what in plan:
             if not results.time_left():

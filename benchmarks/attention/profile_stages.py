@@ -7,6 +7,8 @@ same call uninstrumented and the library called by hand on the same tensors:
 
   module            nn.Module's call, forward's own body, the output's reshape (what no stage claims)
   fast-path key     the fast path's key of host facts and its lookup
+  bound call        the fast path's bound kernel call found (prepare/fast_path.bound_call); a call
+                    that runs one skips the three stages below it
   preparation       the cached recipe turned into this call's AttentionInputs
   metadata kernels  THD bounds (made_safe, safe_sides), valid lengths (seqlens), cuDNN's ragged offsets
   plan + problem    the varlen plan and the KernelProblem
@@ -55,7 +57,7 @@ from benchmark_mixed import Shape  # run as a script: this directory is on sys.p
 from stage_clock import StageClock, corrected, median
 
 NOTES_LENGTHS = [4096, 3584, 3072, 2560, 2048, 4096, 1536, 1024, 512, 3072, 2048, 2560, 1024, 1536]
-FWD_STAGES = ("module", "fast-path key", "preparation", "metadata kernels", "plan + problem", "run_kernel",
+FWD_STAGES = ("module", "fast-path key", "bound call", "preparation", "metadata kernels", "plan + problem", "run_kernel",
               "autograd Function", "kernel fwd/bwd", "buffers", "op dispatch", "op body", "gap rows", "library call")
 BWD_STAGES = ("autograd engine", "autograd Function", "kernel fwd/bwd", "buffers", "op dispatch", "op body",
               "metadata kernels", "gap rows", "library call")
@@ -118,6 +120,8 @@ def patch_stages(clock: StageClock) -> None:
 
     for name in ("call_key", "lookup"):
         clock.patch(dpa_module, name, "fast-path key")
+    if hasattr(dpa_module, "bound_call"):
+        clock.patch(dpa_module, "bound_call", "bound call")
     clock.patch(fast_path.CallRecipe, "inputs", "preparation")
     clock.patch(packed_seqs, "safe_sides", "metadata kernels")  # made_safe and the fast path both go through it
     clock.patch(packed_seqs.PackedSeqs, "seqlens", "metadata kernels")

@@ -63,6 +63,7 @@ run_file test_backend_scope.py
 run_file test_fast_path.py
 run_file test_metadata_cache.py
 run_file test_rows_fact.py
+run_file test_bound_calls.py
 run_file test_autotune.py
 run_file test_library_adapters.py
 run_file test_cudnn_adapter.py

@@ -1,9 +1,10 @@
 """Spies: a backend's ``run`` (the prepared :class:`AttentionInputs` each call hands it), the
-gap-row zeroing launches, and dispatch modes that watch what aten ops return (the largest
+gap-row zeroing launches, an RNG tracker that counts its forks, and dispatch modes that watch what aten ops return (the largest
 tensor, the peak of live storages)."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import List
 
@@ -23,6 +24,25 @@ def spy_inputs(monkeypatch, backend) -> List:
 
     monkeypatch.setattr(backend, "run", staticmethod(spy))
     return seen
+
+
+class ForkingTracker:
+    """Megatron-style RNG tracker: fork() swaps in its own CPU generator state (``forks`` counts them)."""
+
+    def __init__(self, seed: int):
+        self.state = torch.Generator().manual_seed(seed).get_state()
+        self.forks = 0
+
+    @contextlib.contextmanager
+    def fork(self):
+        self.forks += 1
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.state)
+        try:
+            yield
+        finally:
+            self.state = torch.get_rng_state()
+            torch.set_rng_state(saved)
 
 
 def _spy_ops(monkeypatch, names, record) -> None:

@@ -5,7 +5,6 @@ reference, the dropped probabilities scaled by 1/(1-p), draws inside the RNG tra
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 from transformer_engine.pytorch import DotProductAttention
 
 from .reference import reference_dense
+from .spies import ForkingTracker
 
 H, D = 4, 8
 SCALE = 1.0 / math.sqrt(D)
@@ -64,30 +64,8 @@ def test_checkpoint_core_attention_same_gradients():
         _close(a, b, 1e-12)
 
 
-class _ForkingTracker:
-    """Megatron-style RNG tracker: fork() swaps in its own CPU generator state."""
-
-    def __init__(self, seed: int):
-        self.state = torch.Generator().manual_seed(seed).get_state()
-        self.forks = 0
-
-    def fork(self):
-        @contextlib.contextmanager
-        def forked():
-            self.forks += 1
-            saved = torch.get_rng_state()
-            torch.set_rng_state(self.state)
-            try:
-                yield
-            finally:
-                self.state = torch.get_rng_state()
-                torch.set_rng_state(saved)
-
-        return forked()
-
-
 def test_dropout_draws_inside_the_rng_tracker_fork():
-    tracker = _ForkingTracker(7)
+    tracker = ForkingTracker(7)
     q, k, v = _dense_inputs("bshd", 2, 8, 8, H)
     dpa = DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="causal", attention_dropout=0.5,
                               get_rng_state_tracker=lambda: tracker)
@@ -95,7 +73,7 @@ def test_dropout_draws_inside_the_rng_tracker_fork():
     first = dpa(q, k, v)
     assert tracker.forks == 1 and torch.equal(torch.get_rng_state(), before), "dropout must not use the default generator"
     again = DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="causal", attention_dropout=0.5,
-                                get_rng_state_tracker=lambda: _ForkingTracker(7))(q, k, v)
+                                get_rng_state_tracker=lambda: ForkingTracker(7))(q, k, v)
     # exact: the same call from the same tracker state repeats the same ops
     assert torch.equal(first, again), "the same tracker state must give the same dropout mask"
     dpa.eval()
@@ -108,7 +86,7 @@ def test_rng_tracker_is_checked_and_passed_through_multihead_attention():
 
     with pytest.raises(TypeError, match="get_rng_state_tracker"):
         DotProductAttention(H, D, get_rng_state_tracker=object())
-    tracker = _ForkingTracker(0)
+    tracker = ForkingTracker(0)
     mha = MultiheadAttention(H * D, H, get_rng_state_tracker=lambda: tracker, device="cpu")
     assert mha.core_attention.get_rng_state_tracker() is tracker
 

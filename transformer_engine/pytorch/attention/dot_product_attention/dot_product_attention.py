@@ -20,7 +20,8 @@ from . import extra_state
 from .environment import compiling
 from .fp8.context import fp8_call_context
 from ..tensor_parallel import per_partition, tp_world_size
-from .prepare.fast_path import call_key, lookup, recipe_of, remember
+from .backends.kernel_autograd import launch
+from .prepare.fast_path import bound_call, call_key, lookup, recipe_of, remember
 from .masks import AttnMaskType, normalize_window
 from .prepare.packed_qkv import resolve_qkv
 from .selection.params import AttentionParams, params_key
@@ -187,10 +188,14 @@ class DotProductAttention(torch.nn.Module):
         # nothing of this dict, which eager calls keep changing.
         recipe = lookup(self._recipes, key) if key is not None else None
         if recipe is not None:
+            self._set_last_selection(recipe.selection)
+            out = None if fp8 is not None or checkpoint_core_attention else self._bound(recipe, layers, cus, max_seqlens,
+                                                                                         _packed_seqs, num_splits)
+            if out is not None:
+                return out
             inp = recipe.inputs(self, layers, cus, max_seqlens, _packed_seqs, attn_mask_type_per_seq, thd_sequence_is_causal,
                                 num_splits, fp8)
             fmt, backend = recipe.qkv_format, recipe.selection.backend
-            self._set_last_selection(recipe.selection)
         else:
             fmt = check_format(qkv_format if qkv_format is not None else self.qkv_format)
             qkv = resolve_qkv(*layers, qkv_interleave_dim, fmt)
@@ -202,7 +207,7 @@ class DotProductAttention(torch.nn.Module):
             backend = self._select(selection_params(self, inp, fmt, qkv.layout), inp)
             if key is not None and not self.last_selection.provisional:
                 by_ids = None if attn_mask_type_per_seq is None and thd_sequence_is_causal is None else attn_mask_type_per_seq is not None
-                remember(self._recipes, key, recipe_of(inp, self.last_selection, fmt, qkv, qkv_interleave_dim, by_ids))
+                remember(self._recipes, key, recipe_of(inp, self.last_selection, fmt, qkv, qkv_interleave_dim, by_ids, key))
         with self._dropout_rng():
             if checkpoint_core_attention and torch.is_grad_enabled():
                 out = torch.utils.checkpoint.checkpoint(backend.run, inp, self.training, use_reentrant=False)
@@ -265,6 +270,16 @@ class DotProductAttention(torch.nn.Module):
             inp = recipe.inputs(self, inference_params, layers)
             out = inp.kv_cache.output_from_thd(recipe.backend.run_kv_cache(inp))  # the step's format (sbhd transposed back)
             return out.flatten(-2)  # heads flattened
+
+    def _bound(self, recipe, layers, cus, max_seqlens, packed, num_splits) -> Optional[torch.Tensor]:
+        """A fast-path call's output from its bound kernel call (prepare/fast_path.bound_call), or
+        None (nothing has run) where it takes the recipe's inputs and its backend's run."""
+        bound = None if recipe.token is None else bound_call(recipe, self, layers, cus, max_seqlens, packed, num_splits,
+                                                             self.training)
+        if bound is None:
+            return None
+        with self._dropout_rng():
+            return _flatten(launch(*bound), "thd")
 
     def _dropout_rng(self):
         if self.get_rng_state_tracker is None or self.sequence_parallel or not (self.training and self.attention_dropout > 0):

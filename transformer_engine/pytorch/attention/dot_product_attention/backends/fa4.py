@@ -6,7 +6,9 @@ The FA4 ops write into caller-provided buffers (``out``/``lse``, ``dq``/``dk``/`
 the rows it skips unwritten, so the calls for several mask policies share one set of buffers
 and :class:`_FA4Kernel` zeroes the rows no sequence owns afterwards (``gap_rows.zero_gap_rows``;
 context parallelism zeroes its uncovered rows itself). ``lse`` None
-runs FA4's inference variant, which stores no log-sum-exp.
+runs FA4's inference variant, which stores no log-sum-exp. Eager calls of the module's problems
+skip the ops' argument lists: each run's static keywords are built once per problem
+(:func:`_statics`, by the builders the op bodies use) and the call's tensors added to a copy.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from ..selection.support import SOFTMAX_TYPES, Reason
 from . import kernel_ops
 from .fa4_kv import run_fa4_kv_cache
 from .flash_common import FlashAttention, mask_args
-from .kernel_autograd import run_kernel
+from .kernel_autograd import bind_kernel, run_kernel
+from ..environment import compiling
 from .varlen import plan_varlen
 
 
@@ -42,12 +45,11 @@ def _opt(w: int) -> Optional[int]:
 
 
 def _shared_kwargs(cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q, max_seqlen_kv, softmax_scale, causal,
-                   window_left, window_right, learnable_sink) -> dict:
-    """The keywords ``_flash_attn_fwd`` and ``_flash_attn_bwd`` (flash-attn-4 4.0.0b36) share.
-    The callers add theirs to this dict and pass it once: building one dict costs ~0.4 us less
-    than merging two into a call (measured on a CPU core; FA4 calls are on the host's hot path)."""
+                   window_left, window_right) -> dict:
+    """The keywords ``_flash_attn_fwd`` and ``_flash_attn_bwd`` (flash-attn-4 4.0.0b36) share:
+    those of one run of a problem, the same on every call of it (see :func:`_launch_fwd`)."""
     varlen = cu_seqlens_q is not None
-    kwargs = {
+    return {
         "cu_seqlens_q": cu_seqlens_q,
         "cu_seqlens_k": cu_seqlens_kv,
         "seqused_q": seqused_q,
@@ -59,9 +61,29 @@ def _shared_kwargs(cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqle
         "window_size_left": _opt(window_left),
         "window_size_right": _opt(window_right),
     }
-    if learnable_sink is not None:  # only when given: FA4 releases before the sink backward lack it
-        kwargs["learnable_sink"] = learnable_sink
+
+
+def _fwd_static(cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q, max_seqlen_kv, softmax_scale, causal,
+                window_left, window_right, num_splits: Optional[int], device: torch.device) -> dict:
+    """The forward's keywords of one run that name none of the call's tensors."""
+    kwargs = _shared_kwargs(cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
+                            causal, window_left, window_right)
+    if num_splits is not None and _split_hint(device):
+        kwargs["num_splits"] = num_splits
     return kwargs
+
+
+def _launch_fwd(static: dict, q, k, v, out, lse, learnable_sink) -> None:
+    """``_flash_attn_fwd`` with one run's static keywords and the call's tensors. Private and by
+    keyword: the public ``flash_attn_func`` / ``flash_attn_varlen_func`` run their own autograd
+    and take no output buffers. ``lse`` None runs the inference variant (no LSE store); the sink
+    is passed only when given (FA4 releases before the sink backward lack the keyword)."""
+    kwargs = static.copy()
+    kwargs["q"], kwargs["k"], kwargs["v"] = q, k, v
+    kwargs["return_lse"], kwargs["out"], kwargs["lse"] = lse is not None, out, lse
+    if learnable_sink is not None:
+        kwargs["learnable_sink"] = learnable_sink
+    _library()._flash_attn_fwd(**kwargs)
 
 
 def fa4_fwd(
@@ -85,17 +107,10 @@ def fa4_fwd(
 ) -> None:
     """``learnable_sink`` [H] float32: one extra logit per head in each softmax denominator
     (after scaling), with no value; None for the vanilla softmax. ``num_splits``: TE's split-KV
-    hint (0: the library's heuristic), passed where FA4 has split-KV (:func:`_split_hint`).
-
-    Calls the library's private ``_flash_attn_fwd``, by keyword: its public ``flash_attn_func``
-    and ``flash_attn_varlen_func`` run their own autograd and take no output buffers."""
-    kwargs = _shared_kwargs(cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
-                            causal, window_left, window_right, learnable_sink)
-    kwargs["q"], kwargs["k"], kwargs["v"] = q, k, v
-    kwargs["return_lse"], kwargs["out"], kwargs["lse"] = lse is not None, out, lse
-    if num_splits is not None and _split_hint(q.device):
-        kwargs["num_splits"] = num_splits
-    _library()._flash_attn_fwd(**kwargs)
+    hint (0: the library's heuristic), passed where FA4 has split-KV (:func:`_split_hint`)."""
+    static = _fwd_static(cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q, max_seqlen_kv, softmax_scale, causal,
+                         window_left, window_right, num_splits, q.device)
+    _launch_fwd(static, q, k, v, out, lse, learnable_sink)
 
 
 def _split_hint(device: torch.device) -> bool:
@@ -117,15 +132,24 @@ def _fa4_fwd_fake(q, k, v, out, lse, *args) -> None:
 kernel_ops.register("fa4_fwd", fa4_fwd, ("out", "lse"), _fa4_fwd_fake)
 
 
-def _bwd_call(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q,
-              max_seqlen_kv, softmax_scale, causal, window_left, window_right, deterministic, learnable_sink):
-    """The library's private ``_flash_attn_bwd``, by keyword (no public backward takes gradient
-    buffers); returns what it returns (dq, dk, dv and, with a sink, dsink)."""
+def _bwd_static(cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q, max_seqlen_kv, softmax_scale, causal,
+                window_left, window_right) -> dict:
+    """The backward's keywords of one run that name none of the call's tensors."""
     kwargs = _shared_kwargs(cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
-                            causal, window_left, window_right, learnable_sink)
-    kwargs["q"], kwargs["k"], kwargs["v"], kwargs["out"], kwargs["dout"], kwargs["lse"] = q, k, v, out, dout, lse
+                            causal, window_left, window_right)
     kwargs["softcap"] = 0.0  # no logit soft-capping (TE has none)
+    return kwargs
+
+
+def _launch_bwd(static: dict, dout, q, k, v, out, lse, dq, dk, dv, deterministic: bool, learnable_sink):
+    """``_flash_attn_bwd`` (private: no public backward takes gradient buffers) with one run's
+    static keywords and the call's tensors; returns what it returns (dq, dk, dv and, with a
+    sink, dsink)."""
+    kwargs = static.copy()
+    kwargs["q"], kwargs["k"], kwargs["v"], kwargs["out"], kwargs["dout"], kwargs["lse"] = q, k, v, out, dout, lse
     kwargs["deterministic"], kwargs["dq"], kwargs["dk"], kwargs["dv"] = deterministic, dq, dk, dv
+    if learnable_sink is not None:
+        kwargs["learnable_sink"] = learnable_sink
     return _library()._flash_attn_bwd(**kwargs)
 
 
@@ -152,8 +176,9 @@ def fa4_bwd(
     deterministic: bool,
 ) -> None:
     """dQ/dK/dV into the caller's buffers (vanilla softmax)."""
-    _bwd_call(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q,
-              max_seqlen_kv, softmax_scale, causal, window_left, window_right, deterministic, None)
+    static = _bwd_static(cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q, max_seqlen_kv, softmax_scale, causal,
+                         window_left, window_right)
+    _launch_bwd(static, dout, q, k, v, out, lse, dq, dk, dv, deterministic, None)
 
 
 def _fa4_bwd_fake(dout, q, k, v, out, lse, dq, dk, dv, *args) -> None:
@@ -191,9 +216,9 @@ def fa4_bwd_sink(
     to ``dsink`` (calls for several mask policies each reduce over their own rows). A separate op,
     not optional arguments of fa4_bwd: a mutated argument that may be None does not trace under
     torch.compile (the vanilla backward failed there when dsink was one)."""
-    grads = _bwd_call(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q,
-                      max_seqlen_kv, softmax_scale, causal, window_left, window_right, deterministic, learnable_sink)
-    dsink.add_(grads[3])
+    static = _bwd_static(cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q, max_seqlen_kv, softmax_scale, causal,
+                         window_left, window_right)
+    dsink.add_(_launch_bwd(static, dout, q, k, v, out, lse, dq, dk, dv, deterministic, learnable_sink)[3])
 
 
 def _fa4_bwd_sink_fake(dout, q, k, v, out, lse, dq, dk, dv, *args) -> None:
@@ -247,6 +272,13 @@ class FlashAttentionV4(FlashAttention):
     def run(inp: AttentionInputs, training: bool) -> torch.Tensor:
         return run_kernel(_FA4Kernel, inp, plan_varlen(inp) if inp.is_thd else None, training)
 
+    @classmethod
+    def bind(cls, inp: AttentionInputs, training: bool):
+        if not inp.is_thd:
+            return None
+        plan = plan_varlen(inp)
+        return plan, bind_kernel(_FA4Kernel, inp, plan, training)
+
 
 class _FA4Kernel:
     """The kernel interface (:mod:`.kernel_problem`) on flash_attn.cute (FA4): run offsets as
@@ -270,12 +302,16 @@ class _FA4Kernel:
         if need_lse:  # without it FA4 runs its inference variant (no LSE store)
             shape = (q.shape[-2], q.shape[0]) if problem.varlen else (q.shape[0], q.shape[2], q.shape[1])
             lse = q.new_empty(shape, dtype=torch.float32)
-        fwd = kernel_ops.ops.fa4_fwd
-        for run in problem.runs:
-            # The sink is always passed (None without one): a traced custom op needs every
-            # argument its schema names, the mutated ones above all (dsink in the backward).
-            fwd(q, k, v, out, lse, *_run_args(problem, run), problem.softmax_scale, *mask_args(run.spec),
-                learnable_sink=features.sink, num_splits=problem.num_splits)
+        if problem.host is None or compiling():
+            fwd = kernel_ops.ops.fa4_fwd
+            for run in problem.runs:
+                # The sink is always passed (None without one): a traced custom op needs every
+                # argument its schema names, the mutated ones above all (dsink in the backward).
+                fwd(q, k, v, out, lse, *_run_args(problem, run), problem.softmax_scale, *mask_args(run.spec),
+                    learnable_sink=features.sink, num_splits=problem.num_splits)
+        else:
+            for static in _statics(problem, "fwd", q.device):
+                _launch_fwd(static, q, k, v, out, lse, features.sink)
         if problem.zeroes_rows:
             kernel_ops.ops.zero_gap_rows(out, *problem.rows_q, -1)
         return out, [lse]
@@ -291,10 +327,16 @@ class _FA4Kernel:
         # -exp(sink - lse) * rowsum(dO * O) over the rows it runs).
         dsink = None if features.sink is None else torch.zeros_like(features.sink)
         det = torch.are_deterministic_algorithms_enabled()
-        bwd, sink_args = (kernel_ops.ops.fa4_bwd, ()) if dsink is None else (kernel_ops.ops.fa4_bwd_sink, (features.sink, dsink))
-        for run in problem.runs:
-            bwd(dout, q, k, v, out, stats[0], dq, dk, dv, *_run_args(problem, run), problem.softmax_scale,
-                *mask_args(run.spec), det, *sink_args)
+        if problem.host is None or compiling():
+            bwd, sink_args = (kernel_ops.ops.fa4_bwd, ()) if dsink is None else (kernel_ops.ops.fa4_bwd_sink, (features.sink, dsink))
+            for run in problem.runs:
+                bwd(dout, q, k, v, out, stats[0], dq, dk, dv, *_run_args(problem, run), problem.softmax_scale,
+                    *mask_args(run.spec), det, *sink_args)
+        else:
+            for static in _statics(problem, "bwd", q.device):
+                grads = _launch_bwd(static, dout, q, k, v, out, stats[0], dq, dk, dv, det, features.sink)
+                if dsink is not None:
+                    dsink.add_(grads[3])
         if problem.zeroes_rows:
             kernel_ops.ops.zero_gap_rows_qkv(dq, dk, dv, *problem.rows_q, *problem.rows_kv, -1)
         return dq, dk, dv, None, dsink
@@ -307,6 +349,23 @@ class _FA4Kernel:
     @staticmethod
     def stats_from_rows(lse: torch.Tensor, qs: RowSpan, q: torch.Tensor) -> list:
         return [lse.contiguous()]  # the kernel reads the rows it runs; -inf elsewhere is never read
+
+
+def _statics(problem: KernelProblem, direction: str, device: torch.device) -> list:
+    """The static keywords of each of the problem's runs for ``direction`` ("fwd" or "bwd"),
+    built on the problem's first call that way and kept in ``problem.host``: eager calls of a
+    remembered problem skip the registered op's argument list and the dict building (about
+    1.5 us a forward and a backward on a CPU core). The dicts come from the op bodies' own
+    builders, so both routes pass the library the same keywords."""
+    made = problem.host.get(direction)
+    if made is None:
+        if direction == "fwd":
+            made = [_fwd_static(*_run_args(problem, run), problem.softmax_scale, *mask_args(run.spec), problem.num_splits, device)
+                    for run in problem.runs]
+        else:
+            made = [_bwd_static(*_run_args(problem, run), problem.softmax_scale, *mask_args(run.spec)) for run in problem.runs]
+        problem.host[direction] = made  # one assignment: another thread sees all runs or none
+    return made
 
 
 def _run_args(problem: KernelProblem, run: KernelRun) -> tuple:

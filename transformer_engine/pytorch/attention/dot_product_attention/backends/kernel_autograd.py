@@ -104,19 +104,41 @@ def run_kernel(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan],
     guard = gap_guard(plan, kernel)
     if guard == "inplace":
         zero_spill_rows_in_place(inp)
-    q, k, v = inp.q, inp.k, inp.v
     bias = _kernel_bias(inp) if inp.bias_type == "post_scale_bias" else None
     # The sink logits in float32 (what FA4 and cuDNN take), [H]; the cast keeps the gradient path.
     sink = None if inp.softmax_type == "vanilla" else inp.softmax_offset.reshape(-1).float().contiguous()
+    return launch(_call_for(kernel, inp, plan, guard, bias, sink, training), inp.q, inp.k, inp.v, bias, sink)
+
+
+def bind_kernel(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan], training: bool) -> Optional[KernelCall]:
+    """The KernelCall :func:`run_kernel` makes for ``inp``, where a later call with the same
+    remembered plan and fast-path recipe runs as ``launch(call, q, k, v)`` (see
+    ``prepare/fast_path.bound_call``); None where such a call needs more than its q/k/v: a
+    NaN-guard write, a bias or sink tensor, the max logit, or a plan that is not remembered. A
+    kernel with the NaN guard binds a batch with gaps only once every row is known owned: the
+    guard's mode is read per call (NVTE_FLASH_ATTN_SANITIZE_GAPS), and the fact never turns
+    back to unknown, so the guard stays off for every later call of the binding."""
+    if (plan is None or inp.bias_type == "post_scale_bias" or inp.softmax_type != "vanilla" or inp.return_max_logit
+            or not owns(plan) or (kernel.SANITIZE_GAPS and plan.has_gaps and not plan.every_row_owned())):
+        return None
+    return _call_for(kernel, inp, plan, gap_guard(plan, kernel), None, None, training)
+
+
+def _call_for(kernel, inp: AttentionInputs, plan: Optional[VarlenPlan], guard: str, bias, sink, training: bool) -> KernelCall:
     # Without gradients FA4 may skip its log-sum-exp (``needs_input_grad`` ignores no_grad).
+    q, k, v = inp.q, inp.k, inp.v
     need_stats = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                               or (bias is not None and bias.requires_grad)
                                               or (sink is not None and sink.requires_grad))
     max_logit = inp.return_max_logit and kernel.RETURNS_MAX_LOGIT
-    call = _kernel_call(kernel, inp, plan, guard, need_stats, inp.dropout_p if training else 0.0, max_logit)
-    if not need_stats:  # nothing to differentiate: skip autograd.Function.apply (~10 us of host time)
+    return _kernel_call(kernel, inp, plan, guard, need_stats, inp.dropout_p if training else 0.0, max_logit)
+
+
+def launch(call: KernelCall, q, k, v, bias=None, sink=None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Run ``call`` on these tensors: through the autograd Function where gradients are needed."""
+    if not call.need_stats:  # nothing to differentiate: skip autograd.Function.apply (~10 us of host time)
         _, _, _, out, _, _, top = call.forward(q, k, v, bias, sink)
-        return (out, top) if max_logit else out
+        return (out, top) if call.max_logit else out
     if _C_APPLY is None or compiling() or torch._C._are_functorch_transforms_active():
         return _KernelAttention.apply(q, k, v, bias, sink, call)
     return _C_APPLY(q, k, v, bias, sink, call)
@@ -158,11 +180,11 @@ def module_problem(inp: AttentionInputs, plan: Optional[VarlenPlan], every_row_o
         if inp.q_valid is not None or inp.kv_valid is not None:
             lengths = (_dense_lengths(inp.q_valid, b, sq, inp.q.device), _dense_lengths(inp.kv_valid, b, skv, inp.q.device))
         run = KernelRun(0, inp.mask, None, None, *lengths, b)
-        return KernelProblem((run,), sq, skv, inp.softmax_scale, False, inp.same_lengths, num_splits=inp.num_splits)
+        return KernelProblem((run,), sq, skv, inp.softmax_scale, False, inp.same_lengths, num_splits=inp.num_splits, host={})
     pq, pk = inp.packed_q, inp.packed_kv
     return KernelProblem(plan.calls, pq.max_seqlen, pk.max_seqlen, inp.softmax_scale, True, inp.same_lengths,
                          *packed_rows(inp), num_splits=inp.num_splits,
-                         every_row_owned=plan.every_row_owned() if every_row_owned is None else every_row_owned)
+                         every_row_owned=plan.every_row_owned() if every_row_owned is None else every_row_owned, host={})
 
 
 def _dense_lengths(valid: Optional[torch.Tensor], b: int, s: int, device) -> torch.Tensor:

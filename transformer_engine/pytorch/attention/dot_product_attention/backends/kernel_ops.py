@@ -3,7 +3,9 @@
 Each GPU kernel is a plain function registered as ``te_attn::<name>`` with a shape-only fake,
 so ``torch.compile`` traces it and CUDA graphs capture it; the libraries are imported inside
 the op bodies. The backend files register their ops here (:func:`register`); callers write
-``kernel_ops.ops.<name>(...)``, looked up at call time, so tests can substitute ``ops``.
+``kernel_ops.ops.<name>(...)``, looked up at call time, so tests can substitute ``ops``. One
+exception: FA4's eager calls of a problem the module made pass the library keyword dicts built
+once per problem (``fa4._statics``) by the same builders the op bodies use.
 
 Conventions shared by every op: q/k/v/out are [T, H, D] (varlen, with ``cu_seqlens`` giving
 physical offsets and optional ``seqused`` the valid lengths) or [B, S, H, D] (dense,

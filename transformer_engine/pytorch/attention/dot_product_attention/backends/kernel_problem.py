@@ -87,6 +87,11 @@ class KernelProblem(NamedTuple):
     # Known that every row of the packed tensors belongs to a sequence (VarlenPlan.rows_fact):
     # nothing is left to zero.
     every_row_owned: bool = False
+    # The kernel's own scratch for library arguments that depend only on this problem (FA4's
+    # keyword dicts), filled on first use by eager calls: the module's problems live as long as
+    # their remembered KernelCall, so later calls and their backwards reuse what the first
+    # built. None (context parallelism's per-span problems): built per call.
+    host: Optional[Dict[str, Any]] = None
 
     @property
     def zeroes_rows(self) -> bool:

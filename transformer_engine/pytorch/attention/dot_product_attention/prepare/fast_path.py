@@ -22,6 +22,7 @@ facts itself).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence
 
@@ -36,6 +37,8 @@ from .packed_seqs import sides_of, validation_enabled
 from ..environment import compiling, env_snapshot
 from ..selection.autotune import key_part as autotune_key
 from .layouts import stride_rules_out_packing
+from .metadata_cache import derived_from, owns
+from ..selection.support import BackendSupport
 
 # A module meets few distinct signatures (one per layer shape and mode); a full cache is
 # emptied rather than managed, which only costs the next calls a full path each.
@@ -55,6 +58,25 @@ class CallRecipe:
     static: Mapping[str, Any]  # inputs.static_half() of the full path's inputs
     selection: Any  # selection.BackendSelection
     policy: Optional[PolicyRecipe] = None  # THD calls given per-sequence policies
+    # Calls of this recipe may run a bound kernel call (:func:`bound_call`): one int per distinct
+    # key, so the layers of a model (equal keys, one recipe each) share their bound calls. None
+    # where the recipe's calls never bind (see :func:`_binds`).
+    token: Optional[int] = None
+
+    def tensors(self, layers: Sequence[Optional[torch.Tensor]]):
+        """(q, k, v, the declared packed buffer or None) of a call's layers."""
+        query, key, value, qkv_layer, kv_layer = layers
+        if self.packing == "qkv":
+            return (*split_packed(qkv_layer, self.interleave_dim), qkv_layer)
+        if self.packing == "kv":
+            return (query, *split_packed(kv_layer, self.interleave_dim), kv_layer)
+        return query, key, value, None
+
+    def sides(self, cus, max_seqlens, query: torch.Tensor, key: torch.Tensor) -> PackedSides:
+        """Both THD sides as make_packed builds them, without its checks (the key fixed their outcome)."""
+        cu_q, cu_kv, cu_q_pad, cu_kv_pad = cus
+        return sides_of(cu_q, cu_q_pad if self.q_padded else cu_q, max_seqlens[0], query.shape[0],
+                        cu_kv, cu_kv_pad if self.kv_padded else cu_kv, max_seqlens[1], key.shape[0])
 
     def inputs(self, module, layers: Sequence[Optional[torch.Tensor]], cus, max_seqlens,
                packed: Optional[PackedSides] = None, per_seq=None, is_causal=None,
@@ -64,36 +86,72 @@ class CallRecipe:
         the call's ``attn_mask_type_per_seq`` / ``thd_sequence_is_causal``; ``num_splits``: its
         split-KV hint, a per-call field; ``fp8``: its FP8 context, a per-call
         field whose mode is in the key)."""
-        query, key, value, qkv_layer, kv_layer = layers
-        layer = None
-        if self.packing == "qkv":
-            query, key, value = split_packed(qkv_layer, self.interleave_dim)
-            layer = qkv_layer
-        elif self.packing == "kv":
-            key, value = split_packed(kv_layer, self.interleave_dim)
-            layer = kv_layer
+        query, key, value, layer = self.tensors(layers)
         fmt = self.qkv_format
         if fmt == "sbhd":
             query, key, value = bshd_views(query, key, value, fmt)
         pq = pk = policies = None
         if fmt == "thd":
-            if packed is None:
-                cu_q, cu_kv, cu_q_pad, cu_kv_pad = cus
-                # The sides as make_packed builds them, without its checks (the key fixed their outcome).
-                packed = sides_of(cu_q, cu_q_pad if self.q_padded else cu_q, max_seqlens[0], query.shape[0],
-                                  cu_kv, cu_kv_pad if self.kv_padded else cu_kv, max_seqlens[1], key.shape[0])
-            pq, pk = packed
+            pq, pk = packed if packed is not None else self.sides(cus, max_seqlens, query, key)
             if self.policy is not None:
                 policies = self.policy.policies(per_seq, is_causal, pq.batch_size, query.device)
         return assemble_inputs(self.static, query, key, value, pq, pk, policies, module.softmax_scale, module.softmax_offset,
                                num_splits, fp8, layer)
 
 
+class _Bound:
+    """The bound calls of one recipe token over one remembered pair of THD sides (a derivation
+    of the sides, metadata_cache.py): the plan (None: not derived yet; False: the backend binds
+    none), and per value of its rows fact the KernelCall (False where that call cannot bind)."""
+
+    __slots__ = ("plan", "calls")
+
+    def __init__(self) -> None:
+        self.plan = None
+        self.calls: Dict[bool, Any] = {}
+
+
+def bound_call(recipe: CallRecipe, module, layers, cus, max_seqlens, packed: Optional[PackedSides],
+               num_splits: Optional[int], training: bool) -> Optional[tuple]:
+    """(KernelCall, q, k, v) for ``kernel_autograd.launch``: the call's bound kernel call, or
+    None where the caller must run it through :meth:`CallRecipe.inputs` and its backend's
+    ``run``. Runs nothing either way (the caller launches inside its dropout RNG fork).
+
+    A THD call's kernel half (plan, NaN-guard mode, flags, KernelCall: what
+    ``kernel_autograd.run_kernel`` derives from the prepared inputs) reads only host facts the
+    fast-path key fixes, the remembered sides, the module's softmax_scale, the num_splits hint
+    and the plan's rows fact. The first call of a recipe token over a remembered pair of sides
+    derives it through the ordinary route (``backend.bind``, the same derivation as ``run``);
+    later calls with the same facts (the other layers of the step, their recomputations) launch
+    it on their q/k/v directly, skipping the inputs record, the plan lookup and run_kernel's
+    preamble (about 3 us of a CPU core's forward). Only calls with nothing else per call bind:
+    no policies, bias, sink, max logit, FP8 or NaN-guard write (see ``bind_kernel``)."""
+    q, k, v, _ = recipe.tensors(layers)
+    pq, pk = packed if packed is not None else recipe.sides(cus, max_seqlens, q, k)
+    if not owns(pk):
+        return None  # sides not remembered (capture, inference mode, a cache switched off)
+    backend = recipe.selection.backend
+    bound = derived_from(pq, ("bound", id(pk), recipe.token, backend, module.softmax_scale, num_splits), _Bound)
+    plan = bound.plan
+    call = None if plan is None else False if plan is False else bound.calls.get(plan.every_row_owned())
+    if call is None:
+        made = backend.bind(recipe.inputs(module, layers, cus, max_seqlens, (pq, pk), num_splits=num_splits), training)
+        if made is None:
+            bound.plan = False  # the backend binds none of these calls
+            return None
+        plan, call = made
+        owned = call.problem.every_row_owned if call is not None else plan.every_row_owned()
+        call = bound.calls[owned] = call or False
+        bound.plan = plan  # set last: another thread reads calls only once a plan is there
+    return None if call is False else (call, q, k, v)
+
+
 def recipe_of(inp: AttentionInputs, selection, qkv_format: str, qkv: ResolvedQKV, interleave_dim: int,
-              by_ids: Optional[bool] = None) -> Optional[CallRecipe]:
+              by_ids: Optional[bool] = None, key: Optional[tuple] = None) -> Optional[CallRecipe]:
     """The recipe of a full-path call, or None when part of its outcome came from tensor values
     or pointers (that part would not repeat for another call with the same key). ``by_ids``:
-    None without per-sequence policies, else whether they came as attn_mask_type_per_seq."""
+    None without per-sequence policies, else whether they came as attn_mask_type_per_seq;
+    ``key``: the call's fast-path key (its token lets the recipe's calls bind)."""
     if inp.q_valid is not None or inp.kv_valid is not None or inp.arbitrary_mask is not None:
         return None
     if not qkv.declared and not stride_rules_out_packing(qkv.q, qkv.k, qkv.v):
@@ -106,8 +164,32 @@ def recipe_of(inp: AttentionInputs, selection, qkv_format: str, qkv: ResolvedQKV
         q_padded = inp.packed_q.offsets is not inp.packed_q.cu_seqlens
         kv_padded = inp.packed_kv.offsets is not inp.packed_kv.cu_seqlens
     policy = None if by_ids is None else PolicyRecipe.of(inp.policies, by_ids)
+    token = _token(key) if key is not None and _binds(inp, selection, policy) else None
     return CallRecipe(qkv_format, qkv.packing if qkv.declared else None, interleave_dim, q_padded, kv_padded, static, selection,
-                      policy)
+                      policy, token)
+
+
+def _binds(inp: AttentionInputs, selection, policy) -> bool:
+    """Whether calls of this recipe may bind (:func:`bound_call`): THD without per-sequence
+    policies, a bias, a sink or the max logit, on a backend that binds (``bind`` overridden)."""
+    binds = getattr(selection.backend, "bind", None)
+    return (inp.is_thd and policy is None and inp.bias_type == "no_bias" and inp.softmax_type == "vanilla"
+            and not inp.return_max_logit and getattr(binds, "__func__", None) not in (None, BackendSupport.bind.__func__))
+
+
+_TOKENS: Dict[tuple, int] = {}
+_NEXT_TOKEN = itertools.count(1)
+
+
+def _token(key: tuple) -> int:
+    """One int per distinct key (never reused: a full table is emptied, and a key met again
+    only gets a new one, so its recipes share less)."""
+    token = _TOKENS.get(key)
+    if token is None:
+        if len(_TOKENS) >= 4 * MAX_RECIPES:
+            _TOKENS.clear()
+        token = _TOKENS[key] = next(_NEXT_TOKEN)
+    return token
 
 
 def layer_facts(layers) -> Optional[tuple]:

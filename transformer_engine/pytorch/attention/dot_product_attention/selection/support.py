@@ -253,6 +253,14 @@ class BackendSupport:
         raise NotImplementedError(f"{cls.NAME} does not run attention over a KV cache (SUPPORTS_KV_CACHE is False)")
 
     @classmethod
+    def bind(cls, inp, training: bool):
+        """The call ``run(inp, training)`` makes, bound once for later fast-path calls that
+        differ only in q/k/v (``prepare/fast_path.bound_call``): (THD plan, KernelCall or None
+        where this call cannot be bound), or None where the backend binds none. Backends on
+        the kernel interface override it (backends/kernel_autograd.bind_kernel)."""
+        return None
+
+    @classmethod
     def matrix_row(cls) -> dict:
         """This declaration as one row of the README's support matrix."""
         cc = "any" if cls.SUPPORTED_DEVICES == frozenset({"cpu", "cuda"}) else ""

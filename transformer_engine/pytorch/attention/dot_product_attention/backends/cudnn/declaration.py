@@ -10,7 +10,7 @@ import torch
 
 from ...prepare.inputs import AttentionInputs
 from ...selection.support import SOFTMAX_TYPES, BackendSupport, Reason, bias_thd_reasons
-from ..kernel_autograd import run_kernel
+from ..kernel_autograd import bind_kernel, run_kernel
 from ..varlen import plan_varlen
 from .fp8 import run_fp8
 from .fp8_rules import fp8_reasons
@@ -72,6 +72,13 @@ class FusedAttention(BackendSupport):
         if inp.fp8 is not None:
             return run_fp8(inp, training)
         return run_kernel(_CudnnKernel, inp, plan_varlen(inp, always_lengths=True) if inp.is_thd else None, training)
+
+    @classmethod
+    def bind(cls, inp: AttentionInputs, training: bool):
+        if inp.fp8 is not None or not inp.is_thd:
+            return None
+        plan = plan_varlen(inp, always_lengths=True)
+        return plan, bind_kernel(_CudnnKernel, inp, plan, training)
 
 
 SINK_MIN_CUDNN = 91300  # sink_token in sdpa and sdpa_backward
