@@ -278,7 +278,10 @@ class DotProductAttention(torch.nn.Module):
                                                              self.training)
         if bound is None:
             return None
-        with self._dropout_rng():
+        fork = self._dropout_rng()
+        if fork is _NO_FORK:  # no RNG fork to enter (the common case): a with-block less
+            return _flatten(launch(*bound), "thd")
+        with fork:
             return _flatten(launch(*bound), "thd")
 
     def _dropout_rng(self):

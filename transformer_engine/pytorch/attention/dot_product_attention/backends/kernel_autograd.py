@@ -79,14 +79,11 @@ class _KernelAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, *_no_grad_for_the_max_logit):
         q, k, v, out, bias, rng, sink, *stats = ctx.saved_tensors
-        call = ctx.call
+        call, needs = ctx.call, ctx.needs_input_grad
         dout = dout if dout.stride() == out.stride() else dout.contiguous()
-        features = _features(bias, call.alibi, call.dropout_p, rng, sink, need_dsink=ctx.needs_input_grad[4])
-        dq, dk, dv, dbias, dsink = call.kernel.backward(dout, q, k, v, out, stats, call.problem, features,
-                                                        ctx.needs_input_grad[3])
-        if not ctx.needs_input_grad[4]:
-            dsink = None
-        return dq, dk, dv, dbias, dsink, None  # nothing for ``call``
+        features = _features(bias, call.alibi, call.dropout_p, rng, sink, need_dsink=needs[4])
+        dq, dk, dv, dbias, dsink = call.kernel.backward(dout, q, k, v, out, stats, call.problem, features, needs[3])
+        return dq, dk, dv, dbias, dsink if needs[4] else None, None  # nothing for ``call``
 
 
 # autograd.Function's C entry bound to _KernelAttention. Eager calls outside functorch transforms

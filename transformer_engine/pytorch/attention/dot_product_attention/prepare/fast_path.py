@@ -126,7 +126,7 @@ def bound_call(recipe: CallRecipe, module, layers, cus, max_seqlens, packed: Opt
     it on their q/k/v directly, skipping the inputs record, the plan lookup and run_kernel's
     preamble (about 3 us of a CPU core's forward). Only calls with nothing else per call bind:
     no policies, bias, sink, max logit, FP8 or NaN-guard write (see ``bind_kernel``)."""
-    q, k, v, _ = recipe.tensors(layers)
+    q, k, v = layers[:3] if recipe.packing is None else recipe.tensors(layers)[:3]
     pq, pk = packed if packed is not None else recipe.sides(cus, max_seqlens, q, k)
     if not owns(pk):
         return None  # sides not remembered (capture, inference mode, a cache switched off)
