@@ -208,6 +208,27 @@ def test_calls_with_more_than_qkv_never_bind(as_on_cuda, fa4_lib, cudnn_lib, mon
     assert len(runs) == 3 and binds == []
 
 
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_an_unbound_call_bounds_its_sides_once(as_on_cuda, fa4_lib, cudnn_lib, monkeypatch, backend):
+    """Sides that are not remembered (as in a CUDA graph capture; here the cache switched off)
+    are bounded once per call: the sides the binding attempt made are the ones the ordinary
+    route runs on (a capture would otherwise record the bounding launches twice)."""
+    from transformer_engine.pytorch.attention.dot_product_attention.prepare import packed_seqs
+
+    monkeypatch.setenv("NVTE_ATTN_METADATA_CACHE", "0")
+    made = []
+    real = packed_seqs._made_safe
+    monkeypatch.setattr(packed_seqs, "_made_safe", lambda pq, pk: (made.append(1), real(pq, pk))[1])
+    layer = _layer()
+    kwargs = _thd_kwargs([5, 3, 4])
+    with backend_scope(force=backend):
+        layer(*_leaves(12, 0), **kwargs)  # the full path (makes the recipe)
+        made.clear()
+        for _ in range(3):
+            layer(*_leaves(12, 0), **kwargs)
+    assert len(made) == 3
+
+
 def test_dropout_under_a_bound_call_draws_inside_the_fork(as_on_cuda, cudnn_lib, monkeypatch):
     """cuDNN with dropout: each call's Philox seed is drawn inside the tracker's fork, bound or
     not. Bound calls draw the same sequence of seeds as the ordinary route from the same tracker

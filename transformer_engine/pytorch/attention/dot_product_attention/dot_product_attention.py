@@ -189,10 +189,10 @@ class DotProductAttention(torch.nn.Module):
         recipe = lookup(self._recipes, key) if key is not None else None
         if recipe is not None:
             self._set_last_selection(recipe.selection)
-            out = None if fp8 is not None or checkpoint_core_attention else self._bound(recipe, layers, cus, max_seqlens,
-                                                                                         _packed_seqs, num_splits)
-            if out is not None:
-                return out
+            if fp8 is None and not checkpoint_core_attention and recipe.token is not None:
+                out, _packed_seqs = self._bound(recipe, layers, cus, max_seqlens, _packed_seqs, num_splits)
+                if out is not None:
+                    return out
             inp = recipe.inputs(self, layers, cus, max_seqlens, _packed_seqs, attn_mask_type_per_seq, thd_sequence_is_causal,
                                 num_splits, fp8)
             fmt, backend = recipe.qkv_format, recipe.selection.backend
@@ -271,18 +271,18 @@ class DotProductAttention(torch.nn.Module):
             out = inp.kv_cache.output_from_thd(recipe.backend.run_kv_cache(inp))  # the step's format (sbhd transposed back)
             return out.flatten(-2)  # heads flattened
 
-    def _bound(self, recipe, layers, cus, max_seqlens, packed, num_splits) -> Optional[torch.Tensor]:
-        """A fast-path call's output from its bound kernel call (prepare/fast_path.bound_call), or
-        None (nothing has run) where it takes the recipe's inputs and its backend's run."""
-        bound = None if recipe.token is None else bound_call(recipe, self, layers, cus, max_seqlens, packed, num_splits,
-                                                             self.training)
+    def _bound(self, recipe, layers, cus, max_seqlens, packed, num_splits) -> Tuple[Optional[torch.Tensor], PackedSides]:
+        """(a fast-path call's output from its bound kernel call, or None where nothing has run
+        and it takes the recipe's inputs and its backend's run; its THD sides, for that run: made
+        once per call, so a graph capture records their bounding once)."""
+        bound, packed = bound_call(recipe, self, layers, cus, max_seqlens, packed, num_splits, self.training)
         if bound is None:
-            return None
+            return None, packed
         fork = self._dropout_rng()
         if fork is _NO_FORK:  # no RNG fork to enter (the common case): a with-block less
-            return _flatten(launch(*bound), "thd")
+            return _flatten(launch(*bound), "thd"), packed
         with fork:
-            return _flatten(launch(*bound), "thd")
+            return _flatten(launch(*bound), "thd"), packed
 
     def _dropout_rng(self):
         if self.get_rng_state_tracker is None or self.sequence_parallel or not (self.training and self.attention_dropout > 0):

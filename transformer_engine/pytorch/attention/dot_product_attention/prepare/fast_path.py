@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -112,10 +112,12 @@ class _Bound:
 
 
 def bound_call(recipe: CallRecipe, module, layers, cus, max_seqlens, packed: Optional[PackedSides],
-               num_splits: Optional[int], training: bool) -> Optional[tuple]:
-    """(KernelCall, q, k, v) for ``kernel_autograd.launch``: the call's bound kernel call, or
-    None where the caller must run it through :meth:`CallRecipe.inputs` and its backend's
-    ``run``. Runs nothing either way (the caller launches inside its dropout RNG fork).
+               num_splits: Optional[int], training: bool) -> Tuple[Optional[tuple], PackedSides]:
+    """((KernelCall, q, k, v) for ``kernel_autograd.launch``, or None where the caller must run
+    the call through :meth:`CallRecipe.inputs` and its backend's ``run``; the call's THD sides,
+    which that run takes as ``packed``: bounding them again would launch its kernels twice, and
+    a graph capture, which never binds, would record both). Launches nothing else (the caller
+    launches inside its dropout RNG fork).
 
     A THD call's kernel half (plan, NaN-guard mode, flags, KernelCall: what
     ``kernel_autograd.run_kernel`` derives from the prepared inputs) reads only host facts the
@@ -127,23 +129,23 @@ def bound_call(recipe: CallRecipe, module, layers, cus, max_seqlens, packed: Opt
     preamble (about 3 us of a CPU core's forward). Only calls with nothing else per call bind:
     no policies, bias, sink, max logit, FP8 or NaN-guard write (see ``bind_kernel``)."""
     q, k, v = layers[:3] if recipe.packing is None else recipe.tensors(layers)[:3]
-    pq, pk = packed if packed is not None else recipe.sides(cus, max_seqlens, q, k)
+    pq, pk = packed = packed if packed is not None else recipe.sides(cus, max_seqlens, q, k)
     if not owns(pk):
-        return None  # sides not remembered (capture, inference mode, a cache switched off)
+        return None, packed  # sides not remembered (capture, inference mode, a cache switched off)
     backend = recipe.selection.backend
     bound = derived_from(pq, ("bound", id(pk), recipe.token, backend, module.softmax_scale, num_splits), _Bound)
     plan = bound.plan
     call = None if plan is None else False if plan is False else bound.calls.get(plan.every_row_owned())
     if call is None:
-        made = backend.bind(recipe.inputs(module, layers, cus, max_seqlens, (pq, pk), num_splits=num_splits), training)
+        made = backend.bind(recipe.inputs(module, layers, cus, max_seqlens, packed, num_splits=num_splits), training)
         if made is None:
             bound.plan = False  # the backend binds none of these calls
-            return None
+            return None, packed
         plan, call = made
         owned = call.problem.every_row_owned if call is not None else plan.every_row_owned()
         call = bound.calls[owned] = call or False
         bound.plan = plan  # set last: another thread reads calls only once a plan is there
-    return None if call is False else (call, q, k, v)
+    return None if call is False else (call, q, k, v), packed
 
 
 def recipe_of(inp: AttentionInputs, selection, qkv_format: str, qkv: ResolvedQKV, interleave_dim: int,
