@@ -16,7 +16,8 @@ same call uninstrumented and the library called by hand on the same tensors:
   autograd Function torch's autograd.Function.apply and the ctx (forward); the Function's backward body
   kernel fwd/bwd    the kernel class: features, runs, arguments (buffers excluded)
   buffers           output / gradient / statistics allocations outside the library
-  op dispatch       kernel_ops.ops.<name>: the eager-or-compiled lookup
+  op dispatch       kernel_ops.ops.<name>: the eager-or-compiled lookup (cuDNN; FA4's eager calls
+                    of the module's problems skip it: their keyword dicts are in "kernel fwd/bwd")
   op body           the registered op's plain function: the library's arguments (cuDNN: graph key, pack)
   gap rows          the launches zeroing rows no sequence owns (Triton on CUDA)
   library call      the library's own entry (FA4's _flash_attn_fwd/_bwd; cuDNN's cached graph execute)

@@ -234,6 +234,7 @@ class Graph:
     def get_workspace_size(self) -> int:
         return 0
 
+    @torch.no_grad()  # a kernel: its writes carry no autograd history (a caller must give the output its own)
     def execute(self, pack: dict, workspace=None, handle=None) -> None:
         self.library.runs.append((self.node, pack))
         _RUN[self.node.direction](self.node, pack)

@@ -103,6 +103,7 @@ class FA4Library:
         right = 0 if kw["causal"] else (-1 if kw["window_size_right"] is None else kw["window_size_right"])
         return widen(band(n, m, left, right, m - n), width)
 
+    @torch.no_grad()  # a kernel: its writes carry no autograd history (a caller must give the output its own)
     def _flash_attn_fwd(self, *args, **kw):
         _check("_flash_attn_fwd", args, kw, FWD_KEYWORDS)
         assert kw["return_lse"] == (kw["lse"] is not None), "return_lse must say whether an lse buffer is given"
@@ -118,6 +119,7 @@ class FA4Library:
                 _lse_rows(kw, b, qa, n).copy_(lse)
         return kw["out"], kw["lse"]
 
+    @torch.no_grad()
     def _flash_attn_bwd(self, *args, **kw):
         _check("_flash_attn_bwd", args, kw, BWD_KEYWORDS)
         self.calls.append(("bwd", kw))

@@ -88,9 +88,10 @@ class KernelProblem(NamedTuple):
     # nothing is left to zero.
     every_row_owned: bool = False
     # The kernel's own scratch for library arguments that depend only on this problem (FA4's
-    # keyword dicts), filled on first use by eager calls: the module's problems live as long as
-    # their remembered KernelCall, so later calls and their backwards reuse what the first
-    # built. None (context parallelism's per-span problems): built per call.
+    # keyword dicts), filled on first use by eager calls: a THD problem of a remembered
+    # KernelCall lives as long as the call, so later calls and their backwards reuse what the
+    # first built (a dense problem, made per call, reuses it only in its backward). None
+    # (context parallelism's per-span problems): built per call.
     host: Optional[Dict[str, Any]] = None
 
     @property

@@ -100,8 +100,8 @@ class CallRecipe:
 
 
 class _Bound:
-    """The bound calls of one recipe token over one remembered pair of THD sides (a derivation
-    of the sides, metadata_cache.py): the plan (None: not derived yet; False: the backend binds
+    """The bound calls of one recipe token, backend, scale and hint over one remembered pair of
+    THD sides (kept in a table derived from the sides, metadata_cache.py): the plan (None: not derived yet; False: the backend binds
     none), and per value of its rows fact the KernelCall (False where that call cannot bind)."""
 
     __slots__ = ("plan", "calls")
@@ -133,7 +133,15 @@ def bound_call(recipe: CallRecipe, module, layers, cus, max_seqlens, packed: Opt
     if not owns(pk):
         return None, packed  # sides not remembered (capture, inference mode, a cache switched off)
     backend = recipe.selection.backend
-    bound = derived_from(pq, ("bound", id(pk), recipe.token, backend, module.softmax_scale, num_splits), _Bound)
+    # One table per remembered pair of sides (one of the side's derivation slots, whatever the
+    # number of tokens, scales and hints met), emptied when full.
+    table = derived_from(pq, ("bound", id(pk)), dict)
+    key = (recipe.token, backend, module.softmax_scale, num_splits)
+    bound = table.get(key)
+    if bound is None:
+        if len(table) >= MAX_BINDINGS:
+            table.clear()
+        bound = table[key] = _Bound()
     plan = bound.plan
     call = None if plan is None else False if plan is False else bound.calls.get(plan.every_row_owned())
     if call is None:
@@ -142,7 +150,10 @@ def bound_call(recipe: CallRecipe, module, layers, cus, max_seqlens, packed: Opt
             bound.plan = False  # the backend binds none of these calls
             return None, packed
         plan, call = made
-        owned = call.problem.every_row_owned if call is not None else plan.every_row_owned()
+        # A refusal (FA4's NaN guard over gap rows, a plan not remembered) is only ever made while
+        # the rows fact is not known to hold: filed under False, so a fact that lands meanwhile
+        # cannot make it permanent.
+        owned = call.problem.every_row_owned if call is not None else False
         call = bound.calls[owned] = call or False
         bound.plan = plan  # set last: another thread reads calls only once a plan is there
     return None if call is False else (call, q, k, v), packed
@@ -173,12 +184,14 @@ def recipe_of(inp: AttentionInputs, selection, qkv_format: str, qkv: ResolvedQKV
 
 def _binds(inp: AttentionInputs, selection, policy) -> bool:
     """Whether calls of this recipe may bind (:func:`bound_call`): THD without per-sequence
-    policies, a bias, a sink or the max logit, on a backend that binds (``bind`` overridden)."""
+    policies, a bias, a sink or the max logit, on a backend that binds (``bind`` overridden).
+    FP8 and checkpointing are per-call arguments: the module checks them on each call."""
     binds = getattr(selection.backend, "bind", None)
     return (inp.is_thd and policy is None and inp.bias_type == "no_bias" and inp.softmax_type == "vanilla"
             and not inp.return_max_logit and getattr(binds, "__func__", None) not in (None, BackendSupport.bind.__func__))
 
 
+MAX_BINDINGS = 8  # bound calls kept per remembered pair of sides (recipe tokens x scales x hints)
 _TOKENS: Dict[tuple, int] = {}
 _NEXT_TOKEN = itertools.count(1)
 
