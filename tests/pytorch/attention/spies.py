@@ -1,6 +1,6 @@
 """Spies: a backend's ``run`` (the prepared :class:`AttentionInputs` each call hands it), the
-gap-row zeroing launches, an RNG tracker that counts its forks, and dispatch modes that watch what aten ops return (the largest
-tensor, the peak of live storages)."""
+gap-row zeroing launches, an RNG tracker that counts its forks, and dispatch modes that watch
+what aten ops return (the largest tensor, the peak of live storages)."""
 
 from __future__ import annotations
 

@@ -101,8 +101,9 @@ class CallRecipe:
 
 class _Bound:
     """The bound calls of one recipe token, backend, scale and hint over one remembered pair of
-    THD sides (kept in a table derived from the sides, metadata_cache.py): the plan (None: not derived yet; False: the backend binds
-    none), and per value of its rows fact the KernelCall (False where that call cannot bind)."""
+    THD sides (kept in a table derived from the sides, metadata_cache.py): the plan (None: not
+    derived yet; False: the backend binds none), and per value of its rows fact the KernelCall
+    (False where that call cannot bind)."""
 
     __slots__ = ("plan", "calls")
 
