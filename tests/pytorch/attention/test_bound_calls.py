@@ -137,11 +137,11 @@ def test_layers_share_one_bound_call(as_on_cuda, fa4_lib, cudnn_lib, monkeypatch
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_a_copy_in_flight_binds_again_once_it_lands(as_on_cuda, fa4_lib, cudnn_lib, monkeypatch, backend):
-    """Real gaps (every fact says a row is left to zero) against a fact still in flight, then
-    landed over an empty-gap batch: the binding is per value of the rows fact. While the copy
-    is in flight, cuDNN binds a call that zeroes the unowned rows and FA4 binds none (its NaN
-    guard writes q/k/v first: every call runs through ``run``); once the copy has landed both
-    bind a call that zeroes nothing."""
+    """A batch given padded offsets equal to its lengths (no row left unowned, but not known to
+    be until the rows fact lands), with the fact's copy in flight and then landed: the binding
+    is per value of the rows fact. While the copy is in flight, cuDNN binds a call that zeroes
+    the unowned rows and FA4 binds none (its NaN guard writes q/k/v first: every call runs
+    through ``run``); once the copy has landed both bind a call that zeroes nothing."""
     landed = []
 
     class Event:
@@ -326,6 +326,7 @@ def test_dropout_under_a_bound_call_draws_inside_the_fork(as_on_cuda, cudnn_lib,
         with backend_scope(force="FusedAttention"):
             for _ in range(3):
                 layer(*_leaves(12, 0), **kwargs)
+        # The generator's state bytes, not floats: equal exactly when nothing drew from it.
         assert torch.equal(torch.get_rng_state(), before) and tracker.forks == 3
         return [pack_of(pack, "seed").item() for _, pack in cudnn_lib.of("fwd")]
 

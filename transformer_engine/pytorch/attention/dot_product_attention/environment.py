@@ -7,7 +7,8 @@ Switches are read at each call, never cached, so flipping one takes effect at on
 What changes while torch.compile traces (:func:`compiling`), each decided where it applies:
 backend selection is made once, while tracing (``selection.chosen_backend_label``); the fast
 path is off (``fast_path.call_key``); values are never read (``thd.value_checks_on``); the
-kernels are called as registered ops (``backends.kernel_ops``); the NaN guard works on copies
+kernels are called as registered ops (``backends.kernel_ops``; FA4's eager calls pass keyword
+dicts built once per problem instead, ``backends.fa4``); the NaN guard works on copies
 (``backends.varlen``); the unfused THD path runs gathered, not per sequence (``unfused``); the
 autograd Function is entered through its public ``apply`` (``backends.kernel_autograd``);
 autotune is not consulted (``selection.autotune``).
