@@ -337,34 +337,48 @@ def test_dropout_under_a_bound_call_draws_inside_the_fork(as_on_cuda, cudnn_lib,
 
 def test_fa4_eager_keywords_are_the_ops(fa4_lib):
     """FA4's eager route (keyword dicts built once per problem, ``problem.host``) passes the
-    library exactly what the registered ops' bodies pass (the route torch.compile traces), with a
-    sink, a window and the split hint; and builds the dicts once."""
+    library what the registered ops' bodies pass (the route torch.compile traces), with a sink, a
+    window, the split hint and two policies' runs, except the buffers: the eager route lets the
+    library allocate the output, LSE and dQ/dK/dV on the first run (a buffer handed over is
+    validated there) and hands those to the second run; both routes give the same results. The
+    dicts are built once and keep none of a call's tensors."""
     t = 6
     q, k, v = (torch.randn(t, h, D, dtype=torch.float64) for h in (H, HG, HG))
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
-    used = torch.tensor([2, 3], dtype=torch.int32)
-    run = KernelRun(0, MaskSpec(AttnMaskType.parse("padding"), (2, 0)), cu, cu, used, used, 2)
+    used_a, used_b = torch.tensor([2, 0], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)
+    runs = (KernelRun(0, MaskSpec(AttnMaskType.parse("padding"), (2, 0)), cu, cu, used_a, used_a, 2),
+            KernelRun(1, MaskSpec(AttnMaskType.parse("padding_causal"), (-1, 0)), cu, cu, used_b, used_b, 2))
     sink = torch.zeros(H)
-    features = ScoreFeatures(sink=sink)
+    buffers = ("out", "lse", "dq", "dk", "dv")
 
     def passed(host):
-        problem = KernelProblem((run,), 4, 4, 0.3, True, True, num_splits=2, host=host)
+        problem = KernelProblem(runs, 4, 4, 0.3, True, True, num_splits=2, host=host)
         fa4_lib.calls.clear()
-        out, stats = fa4._FA4Kernel.forward(q, k, v, problem, features, True)
-        fa4._FA4Kernel.backward(torch.ones_like(out), q, k, v, out, stats, problem, ScoreFeatures(sink=sink, need_dsink=True),
-                                False)
-        return [(d, {n: (id(x) if isinstance(x, torch.Tensor) and n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q",
-                                                                          "seqused_k", "learnable_sink") else
-                         (x.shape if isinstance(x, torch.Tensor) else x)) for n, x in kw.items()})
-                for d, kw in fa4_lib.calls]
+        out, stats = fa4._FA4Kernel.forward(q, k, v, problem, ScoreFeatures(sink=sink), True)
+        grads = fa4._FA4Kernel.backward(torch.ones_like(out), q, k, v, out, stats, problem,
+                                        ScoreFeatures(sink=sink, need_dsink=True), False)
+        keywords = [(d, {n: (id(x) if isinstance(x, torch.Tensor) and n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q",
+                                                                              "seqused_k", "learnable_sink") else
+                             (x.shape if isinstance(x, torch.Tensor) else x)) for n, x in kw.items() if n not in buffers})
+                    for d, kw in fa4_lib.calls]
+        return keywords, [out, stats[0], *grads[:3], grads[4]]
 
     host: dict = {}
-    eager, op = passed(host), passed(None)
-    assert eager == op and [d for d, _ in eager] == ["fwd", "bwd"]
+    (eager, eager_results), (op, op_results) = passed(host), passed(None)
+    assert eager == op and [d for d, _ in eager] == ["fwd", "fwd", "bwd", "bwd"]
     assert eager[0][1]["num_splits"] == 2 and eager[0][1]["window_size_left"] == 2
+    for got, want in zip(eager_results, op_results):
+        torch.testing.assert_close(got, want, equal_nan=True)  # row 5 is no run's: unwritten (NaN) in both
+    # Eager: no buffer on the first run of each direction, the first run's on the second
+    # (the stand-in records the keywords as passed; passed(host) ran first, so its calls are gone).
+    _, (out, lse, dq, dk, dv, _) = passed(host)
+    fwd, bwd = fa4_lib.of("fwd"), fa4_lib.of("bwd")
+    assert fwd[0]["out"] is None and fwd[0]["lse"] is None and fwd[0]["return_lse"] is True
+    assert fwd[1]["out"] is out and fwd[1]["lse"] is lse
+    assert all(bwd[0][n] is None for n in ("dq", "dk", "dv"))
+    assert bwd[1]["dq"] is dq and bwd[1]["dk"] is dk and bwd[1]["dv"] is dv
     made = {d: host[d] for d in ("fwd", "bwd")}
     passed(host)
     assert all(host[d] is made[d] for d in made)
-    # The kept dicts name none of a call's tensors (each call adds its own to a copy).
     per_call = {"q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv", "learnable_sink", "return_lse", "deterministic"}
     assert all(not per_call & set(kw) for d in made for kw in made[d])

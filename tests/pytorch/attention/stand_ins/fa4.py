@@ -5,7 +5,7 @@ Semantics (the library's, as the package relies on them): varlen calls take phys
 ``cu_seqlens_*`` and valid lengths as ``seqused_*``; dense calls [B, S, H, D]; a KV cache comes
 dense [B, S, H, D] with ``cu_seqlens_k`` None, or paged (pools [P, page, H, D] and
 ``page_table``); causal is bottom-right; windows ``window_size_left/right`` (None: unbounded);
-the output, the LSE ([H, T] varlen, [B, H, S] dense) and dQ/dK/dV are written only in the rows
+the output, the LSE ([H, T] varlen, [B, H, S] dense) and dQ/dK/dV (allocated where not given) are written only in the rows
 of the sequences run; K/V are read in whole tiles past each sequence end; the backward works from the LSE it is handed
 and, with ``learnable_sink``, returns the sink's gradient fourth. An entry with query rows but no
 keys gets output 0 (probed on the H200: benchmarks/attention/probe_kv_zeroing.py). A sequence with keys but no
@@ -74,6 +74,21 @@ def _kv_rows(kw: dict, name: str, b: int, start: int, m: int) -> torch.Tensor:
     return t[start : tile_end(start, m, t.shape[0])]
 
 
+def _allocated_fwd(kw: dict) -> dict:
+    """The forward's keywords with the buffers FA4 allocates where none is given: the output
+    (empty, the q rows by v's head dim) and the LSE ([H, T] varlen, [B, H, S] dense) where
+    return_lse or an input requires grad (FA4 4.0.0b36's rule)."""
+    q, v = kw["q"], kw["v"]
+    kw = dict(kw)
+    if kw.get("out") is None:
+        kw["out"] = q.new_empty(*q.shape[:-1], v.shape[-1])
+    grads = any(t is not None and t.requires_grad for t in (q, kw["k"], v, kw.get("learnable_sink")))
+    if kw.get("lse") is None and (kw["return_lse"] or grads):
+        shape = (q.shape[-2], q.shape[0]) if kw.get("cu_seqlens_q") is not None else (q.shape[0], q.shape[2], q.shape[1])
+        kw["lse"] = q.new_empty(shape, dtype=torch.float32)
+    return kw
+
+
 class FA4Library:
     """The stand-in; ``calls`` holds ("fwd" | "bwd", the keyword arguments) per call."""
 
@@ -106,8 +121,9 @@ class FA4Library:
     @torch.no_grad()  # a kernel: its writes carry no autograd history (a caller must give the output its own)
     def _flash_attn_fwd(self, *args, **kw):
         _check("_flash_attn_fwd", args, kw, FWD_KEYWORDS)
-        assert kw["return_lse"] == (kw["lse"] is not None), "return_lse must say whether an lse buffer is given"
-        self.calls.append(("fwd", kw))
+        assert kw["lse"] is None or kw["return_lse"], "an lse buffer is only handed over with return_lse=True"
+        self.calls.append(("fwd", kw))  # the keywords as passed (None buffers: allocated below, as FA4 does)
+        kw = _allocated_fwd(kw)
         for b, qa, ka, n, m in self._sequences(kw):
             if n == 0:
                 continue  # skipped: its rows stay as they were
@@ -117,12 +133,13 @@ class FA4Library:
             _q_rows(kw, "out", b, qa, n).copy_(out)
             if kw["lse"] is not None:
                 _lse_rows(kw, b, qa, n).copy_(lse)
-        return kw["out"], kw["lse"]
+        return kw["out"], kw["lse"], None, None, None
 
     @torch.no_grad()
     def _flash_attn_bwd(self, *args, **kw):
         _check("_flash_attn_bwd", args, kw, BWD_KEYWORDS)
         self.calls.append(("bwd", kw))
+        kw = dict(kw, **{g: torch.empty_like(kw[t]) for g, t in (("dq", "q"), ("dk", "k"), ("dv", "v")) if kw.get(g) is None})
         sink = kw.get("learnable_sink")
         dsink = None if sink is None else torch.zeros(sink.shape, dtype=torch.float32, device=sink.device)
         for b, qa, ka, n, m in self._sequences(kw):

@@ -73,17 +73,21 @@ def _fwd_static(cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q
     return kwargs
 
 
-def _launch_fwd(static: dict, q, k, v, out, lse, learnable_sink) -> None:
-    """``_flash_attn_fwd`` with one run's static keywords and the call's tensors. Private and by
-    keyword: the public ``flash_attn_func`` / ``flash_attn_varlen_func`` run their own autograd
-    and take no output buffers. ``lse`` None runs the inference variant (no LSE store); the sink
-    is passed only when given (FA4 releases before the sink backward lack the keyword)."""
+def _launch_fwd(static: dict, q, k, v, out, lse, learnable_sink, return_lse: Optional[bool] = None) -> tuple:
+    """``_flash_attn_fwd`` with one run's static keywords and the call's tensors; returns its
+    (out, lse). Private and by keyword: the public ``flash_attn_func`` / ``flash_attn_varlen_func``
+    run their own autograd and take no output buffers. ``out`` / ``lse`` None: the library
+    allocates them (it allocates the LSE where ``return_lse`` or an input requires grad);
+    ``return_lse`` (default: whether ``lse`` is given) False with no LSE runs the inference
+    variant (no LSE store). The sink is passed only when given (FA4 releases before the sink
+    backward lack the keyword)."""
     kwargs = static.copy()
     kwargs["q"], kwargs["k"], kwargs["v"] = q, k, v
-    kwargs["return_lse"], kwargs["out"], kwargs["lse"] = lse is not None, out, lse
+    kwargs["return_lse"] = lse is not None if return_lse is None else return_lse
+    kwargs["out"], kwargs["lse"] = out, lse
     if learnable_sink is not None:
         kwargs["learnable_sink"] = learnable_sink
-    _library()._flash_attn_fwd(**kwargs)
+    return _library()._flash_attn_fwd(**kwargs)[:2]
 
 
 def fa4_fwd(
@@ -144,7 +148,7 @@ def _bwd_static(cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, max_seqlen_q
 def _launch_bwd(static: dict, dout, q, k, v, out, lse, dq, dk, dv, deterministic: bool, learnable_sink):
     """``_flash_attn_bwd`` (private: no public backward takes gradient buffers) with one run's
     static keywords and the call's tensors; returns what it returns (dq, dk, dv and, with a
-    sink, dsink)."""
+    sink, dsink). ``dq`` / ``dk`` / ``dv`` None: the library allocates them."""
     kwargs = static.copy()
     kwargs["q"], kwargs["k"], kwargs["v"], kwargs["out"], kwargs["dout"], kwargs["lse"] = q, k, v, out, dout, lse
     kwargs["deterministic"], kwargs["dq"], kwargs["dk"], kwargs["dv"] = deterministic, dq, dk, dv
@@ -297,44 +301,57 @@ class _FA4Kernel:
     @staticmethod
     def forward(q, k, v, problem: KernelProblem, features: ScoreFeatures, need_lse: bool):
         """(out, [lse or None]); features: FA4 declares none but the sink."""
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
-        lse = None
-        if need_lse:  # without it FA4 runs its inference variant (no LSE store)
-            shape = (q.shape[-2], q.shape[0]) if problem.varlen else (q.shape[0], q.shape[2], q.shape[1])
-            lse = q.new_empty(shape, dtype=torch.float32)
         if problem.host is None or compiling():
-            fwd = kernel_ops.ops.fa4_fwd
-            for run in problem.runs:
-                # The sink is always passed (None without one): a traced custom op needs every
-                # argument its schema names, the mutated ones above all (dsink in the backward).
-                fwd(q, k, v, out, lse, *_run_args(problem, run), problem.softmax_scale, *mask_args(run.spec),
-                    learnable_sink=features.sink, num_splits=problem.num_splits)
+            out, lse = _FA4Kernel._op_forward(q, k, v, problem, features, need_lse)
         else:
+            # Eager calls of the module's problems: the library allocates the buffers on the
+            # first run and later runs (other policies) write into those. A buffer handed to
+            # _flash_attn_fwd is validated there (shape, dtype, device, layout asserts): about
+            # the cost of allocating it, paid on top of our own allocation.
+            out = lse = None
             for static in _statics(problem, "fwd", q.device):
-                _launch_fwd(static, q, k, v, out, lse, features.sink)
+                out, lse = _launch_fwd(static, q, k, v, out, lse, features.sink, need_lse)
         if problem.zeroes_rows:
             kernel_ops.ops.zero_gap_rows(out, *problem.rows_q, -1)
         return out, [lse]
 
     @staticmethod
+    def _op_forward(q, k, v, problem: KernelProblem, features: ScoreFeatures, need_lse: bool) -> tuple:
+        """The forward through the registered op (torch.compile, the span calls of context
+        parallelism): buffers allocated here, as the op's schema mutates them."""
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        lse = None
+        if need_lse:  # without it FA4 runs its inference variant (no LSE store)
+            shape = (q.shape[-2], q.shape[0]) if problem.varlen else (q.shape[0], q.shape[2], q.shape[1])
+            lse = q.new_empty(shape, dtype=torch.float32)
+        for run in problem.runs:
+            # The sink is always passed (None without one): a traced custom op needs every
+            # argument its schema names, the mutated ones above all (dsink in the backward).
+            kernel_ops.ops.fa4_fwd(q, k, v, out, lse, *_run_args(problem, run), problem.softmax_scale, *mask_args(run.spec),
+                                   learnable_sink=features.sink, num_splits=problem.num_splits)
+        return out, lse
+
+    @staticmethod
     def backward(dout, q, k, v, out, stats, problem: KernelProblem, features: ScoreFeatures, need_dbias: bool):
-        # empty_like with an explicit contiguous format: torch.empty(shape, dtype=, device=)'s
-        # result at 0.9 instead of 1.8 us an allocation (argument parsing; on a CPU core).
-        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
         # Each policy's run adds the sum over its own rows into dsink (FA4 reduces
         # -exp(sink - lse) * rowsum(dO * O) over the rows it runs).
         dsink = None if features.sink is None else torch.zeros_like(features.sink)
         det = torch.are_deterministic_algorithms_enabled()
         if problem.host is None or compiling():
+            # empty_like with an explicit contiguous format: torch.empty(shape, dtype=, device=)'s
+            # result at 0.9 instead of 1.8 us an allocation (argument parsing; on a CPU core).
+            dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+            dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+            dv = torch.empty_like(v, memory_format=torch.contiguous_format)
             bwd, sink_args = (kernel_ops.ops.fa4_bwd, ()) if dsink is None else (kernel_ops.ops.fa4_bwd_sink, (features.sink, dsink))
             for run in problem.runs:
                 bwd(dout, q, k, v, out, stats[0], dq, dk, dv, *_run_args(problem, run), problem.softmax_scale,
                     *mask_args(run.spec), det, *sink_args)
         else:
+            dq = dk = dv = None  # allocated by the library's first run, as the forward's output
             for static in _statics(problem, "bwd", q.device):
                 grads = _launch_bwd(static, dout, q, k, v, out, stats[0], dq, dk, dv, det, features.sink)
+                dq, dk, dv = grads[:3]
                 if dsink is not None:
                     dsink.add_(grads[3])
         if problem.zeroes_rows:
