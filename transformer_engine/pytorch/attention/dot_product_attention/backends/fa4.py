@@ -6,9 +6,11 @@ The FA4 ops write into caller-provided buffers (``out``/``lse``, ``dq``/``dk``/`
 the rows it skips unwritten, so the calls for several mask policies share one set of buffers
 and :class:`_FA4Kernel` zeroes the rows no sequence owns afterwards (``gap_rows.zero_gap_rows``;
 context parallelism zeroes its uncovered rows itself). ``lse`` None
-runs FA4's inference variant, which stores no log-sum-exp. Eager calls of the module's problems
-skip the ops' argument lists: each run's static keywords are built once per problem
-(:func:`_statics`, by the builders the op bodies use) and the call's tensors added to a copy.
+runs FA4's inference variant, which stores no log-sum-exp, unless an input requires grad. Eager
+calls of the module's problems skip the ops' argument lists: each run's static keywords are
+built once per problem (:func:`_statics`, by the builders the op bodies use) and the call's
+tensors added to a copy; their first run hands the library no buffer (FA4 allocates them, as its
+own entry does, instead of validating ours) and later runs get the first run's.
 """
 
 from __future__ import annotations
