@@ -27,7 +27,8 @@ def _fwd(**kw):
 
 def _bwd(**kw):
     grads = tuple(kw[g] if kw.get(g) is not None else torch.empty_like(kw[t]) for g, t in (("dq", "q"), ("dk", "k"), ("dv", "v")))
-    return grads + (None,)
+    sink = kw.get("learnable_sink")
+    return grads if sink is None else grads + (torch.zeros_like(sink, dtype=torch.float32),)  # dsink fourth, as FA4
 
 
 def interface(on_call: Optional[Callable[[str], None]] = None) -> types.ModuleType:

@@ -9,6 +9,7 @@ unfused THD paths (per sequence, and the gathered one CUDA uses) on edge batches
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -199,12 +200,33 @@ def test_fa4_guard_copy_leaves_the_inputs_and_off_leaks(fa4_lib):
 
 
 def test_fa4_inference_needs_no_lse(fa4_lib):
+    """Inference on inputs that need no gradient asks FA4 for no LSE and, by FA4's rule, none is
+    allocated or stored; a training call asks for it (FA4 allocates it on the first run)."""
     p = make_thd(LENGTHS, gaps_q=GAPS, h=4, d=8)
+    frozen = dataclasses.replace(p, q=p.q.detach(), k=p.k.detach(), v=p.v.detach())
     with torch.no_grad():
-        _run_fa4(p)
+        _run_fa4(frozen)
     _run_fa4(p)
     first, second = fa4_lib.of("fwd")
     assert first["lse"] is None and first["return_lse"] is False and second["return_lse"] is True
+    assert fa4_lib.lse_allocated == [False, True]
+
+
+def test_fa4_policies_without_grad_on_inputs_that_require_grad(fa4_lib):
+    """Under no_grad with inputs that still require grad, FA4 allocates an LSE on the first
+    policy's run (its rule); the second run is handed it and asks for it, and the output matches
+    the float64 reference with its unowned rows 0."""
+    p = make_thd(LENGTHS, gaps_q=GAPS, h=4, d=8, tail=5)
+    with torch.no_grad():
+        out = _run_fa4(p, torch.tensor([True, False, True, False]))
+    first, second = fa4_lib.of("fwd")
+    assert fa4_lib.lse_allocated == [True, False] and first["return_lse"] is False
+    assert second["lse"] is not None and second["return_lse"] is True
+    masks = ["padding_causal", "padding", "padding_causal", "padding"]
+    want = reference_thd(p.q.detach(), p.k.detach(), p.v.detach(), p.cu_q, p.cu_q, p.off_q, p.off_q, masks, None,
+                         1 / math.sqrt(8)).view(p.q.shape[0], -1)
+    assert (out[p.valid_q] - want[p.valid_q]).abs().max() < 1e-10
+    assert torch.equal(out[~p.valid_q], torch.zeros_like(out[~p.valid_q]))
 
 
 def test_fa3_guard_has_teeth(fa3_lib, monkeypatch):

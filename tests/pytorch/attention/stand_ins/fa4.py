@@ -94,6 +94,7 @@ class FA4Library:
 
     def __init__(self) -> None:
         self.calls: List[Tuple[str, dict]] = []
+        self.lse_allocated: List[bool] = []  # per forward: whether the stand-in allocated an LSE (FA4's rule)
 
     def of(self, direction: str) -> List[dict]:
         return [kw for d, kw in self.calls if d == direction]
@@ -121,9 +122,10 @@ class FA4Library:
     @torch.no_grad()  # a kernel: its writes carry no autograd history (a caller must give the output its own)
     def _flash_attn_fwd(self, *args, **kw):
         _check("_flash_attn_fwd", args, kw, FWD_KEYWORDS)
-        assert kw["lse"] is None or kw["return_lse"], "an lse buffer is only handed over with return_lse=True"
         self.calls.append(("fwd", kw))  # the keywords as passed (None buffers: allocated below, as FA4 does)
+        passed_lse = kw["lse"]
         kw = _allocated_fwd(kw)
+        self.lse_allocated.append(passed_lse is None and kw["lse"] is not None)
         for b, qa, ka, n, m in self._sequences(kw):
             if n == 0:
                 continue  # skipped: its rows stay as they were

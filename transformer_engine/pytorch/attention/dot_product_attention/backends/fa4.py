@@ -5,12 +5,12 @@ registered ops around the library.
 The FA4 ops write into caller-provided buffers (``out``/``lse``, ``dq``/``dk``/``dv``): FA4 leaves
 the rows it skips unwritten, so the calls for several mask policies share one set of buffers
 and :class:`_FA4Kernel` zeroes the rows no sequence owns afterwards (``gap_rows.zero_gap_rows``;
-context parallelism zeroes its uncovered rows itself). ``lse`` None
-runs FA4's inference variant, which stores no log-sum-exp, unless an input requires grad. Eager
-calls of the module's problems skip the ops' argument lists: each run's static keywords are
-built once per problem (:func:`_statics`, by the builders the op bodies use) and the call's
-tensors added to a copy; their first run hands the library no buffer (FA4 allocates them, as its
-own entry does, instead of validating ours) and later runs get the first run's.
+context parallelism zeroes its uncovered rows itself). With ``return_lse`` False, no LSE
+buffer and no input that requires grad, FA4 runs its inference variant, which stores no
+log-sum-exp. Eager calls of the module's problems skip the ops' argument lists: each run's static
+keywords are built once per problem (:func:`_statics`, by the builders the op bodies use) and the
+call's tensors added to a copy; their first run hands the library no buffer (FA4 allocates them,
+as its own entry does, instead of validating ours) and later runs get the first run's.
 """
 
 from __future__ import annotations
@@ -79,13 +79,13 @@ def _launch_fwd(static: dict, q, k, v, out, lse, learnable_sink, return_lse: Opt
     """``_flash_attn_fwd`` with one run's static keywords and the call's tensors; returns its
     (out, lse). Private and by keyword: the public ``flash_attn_func`` / ``flash_attn_varlen_func``
     run their own autograd and take no output buffers. ``out`` / ``lse`` None: the library
-    allocates them (it allocates the LSE where ``return_lse`` or an input requires grad);
-    ``return_lse`` (default: whether ``lse`` is given) False with no LSE runs the inference
-    variant (no LSE store). The sink is passed only when given (FA4 releases before the sink
-    backward lack the keyword)."""
+    allocates them (the LSE where ``return_lse`` or an input requires grad). ``return_lse``: ask
+    for the LSE (None: whether ``lse`` is given; a given LSE buffer always asks). False with no
+    LSE buffer and no input requiring grad runs the inference variant (no LSE store). The sink
+    is passed only when given (FA4 releases before the sink backward lack the keyword)."""
     kwargs = static.copy()
     kwargs["q"], kwargs["k"], kwargs["v"] = q, k, v
-    kwargs["return_lse"] = lse is not None if return_lse is None else return_lse
+    kwargs["return_lse"] = lse is not None or bool(return_lse)
     kwargs["out"], kwargs["lse"] = out, lse
     if learnable_sink is not None:
         kwargs["learnable_sink"] = learnable_sink
@@ -350,7 +350,10 @@ class _FA4Kernel:
                 bwd(dout, q, k, v, out, stats[0], dq, dk, dv, *_run_args(problem, run), problem.softmax_scale,
                     *mask_args(run.spec), det, *sink_args)
         else:
-            dq = dk = dv = None  # allocated by the library's first run, as the forward's output
+            # Allocated by the library's first run, as the forward's output: empty_like(q) there
+            # keeps a dense q's strides (an sbhd call's dQ comes in q's own layout, as from FA4's
+            # own entry; the op route above makes it contiguous).
+            dq = dk = dv = None
             for static in _statics(problem, "bwd", q.device):
                 grads = _launch_bwd(static, dout, q, k, v, out, stats[0], dq, dk, dv, det, features.sink)
                 dq, dk, dv = grads[:3]
