@@ -382,3 +382,17 @@ def test_fa4_eager_keywords_are_the_ops(fa4_lib):
     assert all(host[d] is made[d] for d in made)
     per_call = {"q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv", "learnable_sink", "return_lse", "deterministic"}
     assert all(not per_call & set(kw) for d in made for kw in made[d])
+
+
+def test_fa4_eager_problem_without_runs_still_makes_its_buffers(fa4_lib):
+    """A batch of no sequences under per-sequence policies plans no run: the eager route, whose
+    buffers otherwise come from the library's first run, allocates them itself and calls nothing."""
+    q, k, v = (torch.randn(3, h, D, dtype=torch.float64) for h in (H, HG, HG))
+    cu = torch.zeros(1, dtype=torch.int32)
+    problem = KernelProblem((), 0, 0, 0.3, True, True, (cu, cu), (cu, cu), host={})
+    out, stats = fa4._FA4Kernel.forward(q, k, v, problem, ScoreFeatures(), True)
+    assert out.shape == (3, H, D) and stats[0].shape == (H, 3) and not fa4_lib.calls
+    dq, dk, dv, _, _ = fa4._FA4Kernel.backward(torch.ones_like(out), q, k, v, out, stats, problem, ScoreFeatures(), False)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert all(torch.all(t == 0) for t in (out, dq, dk, dv))  # every row unowned: zeroed
+

@@ -303,13 +303,13 @@ class _FA4Kernel:
     @staticmethod
     def forward(q, k, v, problem: KernelProblem, features: ScoreFeatures, need_lse: bool):
         """(out, [lse or None]); features: FA4 declares none but the sink."""
-        if problem.host is None or compiling():
+        if problem.host is None or compiling() or not problem.runs:  # (no runs: a batch of no sequences)
             out, lse = _FA4Kernel._op_forward(q, k, v, problem, features, need_lse)
         else:
             # Eager calls of the module's problems: the library allocates the buffers on the
             # first run and later runs (other policies) write into those. A buffer handed to
-            # _flash_attn_fwd is validated there (shape, dtype, device, layout asserts): about
-            # the cost of allocating it, paid on top of our own allocation.
+            # _flash_attn_fwd is validated there (shape, dtype and device asserts, layout checks),
+            # a cost on top of our own allocation (benchmarks/results/host_bench_c2ba625.md).
             out = lse = None
             for static in _statics(problem, "fwd", q.device):
                 out, lse = _launch_fwd(static, q, k, v, out, lse, features.sink, need_lse)
@@ -320,7 +320,8 @@ class _FA4Kernel:
     @staticmethod
     def _op_forward(q, k, v, problem: KernelProblem, features: ScoreFeatures, need_lse: bool) -> tuple:
         """The forward through the registered op (torch.compile, the span calls of context
-        parallelism): buffers allocated here, as the op's schema mutates them."""
+        parallelism; a problem of no runs only allocates): buffers allocated here, as the op's
+        schema mutates them."""
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         lse = None
         if need_lse:  # without it FA4 runs its inference variant (no LSE store)
@@ -339,7 +340,7 @@ class _FA4Kernel:
         # -exp(sink - lse) * rowsum(dO * O) over the rows it runs).
         dsink = None if features.sink is None else torch.zeros_like(features.sink)
         det = torch.are_deterministic_algorithms_enabled()
-        if problem.host is None or compiling():
+        if problem.host is None or compiling() or not problem.runs:
             # empty_like with an explicit contiguous format: torch.empty(shape, dtype=, device=)'s
             # result at 0.9 instead of 1.8 us an allocation (argument parsing; on a CPU core).
             dq = torch.empty_like(q, memory_format=torch.contiguous_format)
