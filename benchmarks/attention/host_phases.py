@@ -2,8 +2,10 @@
 
 One THD batch, bf16, padding_causal: 110 sequences with lengths drawn uniformly from 64..512
 (seed 0), d64 with 16:16 heads (``--shape d64``) or d128 with 16:2 (``--shape gqa``); the module
-forced onto FA4. Each turn runs, for DotProductAttention and then for the direct call
-(``flash_attn_varlen_func``) on the same tensors, every call from an idle GPU:
+forced onto FA4. The batch and both calls are ``benchmark_host.py``'s (``Batch``, ``dpa_call``,
+``fa4_call``: the direct call is ``flash_attn_varlen_func``). Each turn runs, for
+DotProductAttention and then for the direct call on the same tensors, every call from an idle
+GPU:
 
   fwd host            the training forward's host time (returned, not synchronized)
   bwd host            backward()'s host time, and ``bwd synced`` to its last kernel
@@ -28,52 +30,36 @@ from typing import Callable, Dict, List
 
 import torch
 
+from benchmark_host import Batch, dpa_call, fa4_call  # run as a script: this directory is on sys.path
+from benchmark_mixed import Shape
+
 PHASES = ("fwd host", "bwd host", "bwd synced", "nograd fwd host", "nograd fwd synced", "fwd+bwd synced")
 
 
-class Case:
-    def __init__(self, shape: str):
-        from transformer_engine.pytorch import DotProductAttention
+def batch(shape: str) -> Batch:
+    rng = random.Random(0)
+    lengths = [rng.randint(64, 512) for _ in range(110)]
+    heads, groups, dim = (16, 16, 64) if shape == "d64" else (16, 2, 128)
+    return Batch(Shape(shape, lengths, heads, groups, dim))
 
-        rng = random.Random(0)
-        lengths = [rng.randint(64, 512) for _ in range(110)]
-        heads, groups, dim = (16, 16, 64) if shape == "d64" else (16, 2, 128)
-        cu = [0]
-        for n in lengths:
-            cu.append(cu[-1] + n)
-        self.cu, self.max_len = torch.tensor(cu, dtype=torch.int32, device="cuda"), max(lengths)
-        mk = lambda h: torch.randn(cu[-1], h, dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)  # noqa: E731
-        self.leaves = [mk(heads), mk(groups), mk(groups)]
-        self.grad = torch.randn(cu[-1], heads * dim, dtype=torch.bfloat16, device="cuda")
-        self.dpa = DotProductAttention(heads, dim, num_gqa_groups=groups, qkv_format="thd", attn_mask_type="padding_causal")
 
-    def module(self) -> torch.Tensor:
-        return self.dpa(*self.leaves, cu_seqlens_q=self.cu, cu_seqlens_kv=self.cu, max_seqlen_q=self.max_len,
-                        max_seqlen_kv=self.max_len)
+def turn(call: Callable[[], torch.Tensor], leaves: List[torch.Tensor], grad: torch.Tensor) -> List[float]:
+    """One sample of each phase (seconds), in PHASES' order."""
+    sync, clock = torch.cuda.synchronize, time.perf_counter
 
-    def direct(self) -> torch.Tensor:
-        from flash_attn.cute import flash_attn_varlen_func
-
-        out = flash_attn_varlen_func(*self.leaves, cu_seqlens_q=self.cu, cu_seqlens_k=self.cu, max_seqlen_q=self.max_len,
-                                     max_seqlen_k=self.max_len, causal=True)
-        return out[0] if isinstance(out, tuple) else out
-
-    def turn(self, call: Callable[[], torch.Tensor]) -> List[float]:
-        """One sample of each phase (seconds), in PHASES' order."""
-        sync, clock = torch.cuda.synchronize, time.perf_counter
-        self._clear()
-        t0 = clock(); out = call(); t1 = clock(); sync()  # noqa: E702
-        t2 = clock(); out.backward(self.grad.view(out.shape)); t3 = clock(); sync(); t4 = clock()  # noqa: E702
-        with torch.no_grad():
-            t5 = clock(); call(); t6 = clock(); sync(); t7 = clock()  # noqa: E702
-        self._clear()
-        t8 = clock(); out = call(); out.backward(self.grad.view(out.shape)); sync(); t9 = clock()  # noqa: E702
-        return [t1 - t0, t3 - t2, t4 - t2, t6 - t5, t7 - t5, t9 - t8]
-
-    def _clear(self) -> None:
-        for t in self.leaves:
+    def clear() -> None:
+        for t in leaves:
             t.grad = None
-        torch.cuda.synchronize()
+        sync()
+
+    clear()
+    t0 = clock(); out = call(); t1 = clock(); sync()  # noqa: E702
+    t2 = clock(); out.backward(grad.view(out.shape)); t3 = clock(); sync(); t4 = clock()  # noqa: E702
+    with torch.no_grad():
+        t5 = clock(); call(); t6 = clock(); sync(); t7 = clock()  # noqa: E702
+    clear()
+    t8 = clock(); out = call(); out.backward(grad.view(out.shape)); sync(); t9 = clock()  # noqa: E702
+    return [t1 - t0, t3 - t2, t4 - t2, t6 - t5, t7 - t5, t9 - t8]
 
 
 def main() -> None:
@@ -83,19 +69,20 @@ def main() -> None:
     ap.add_argument("--shape", choices=("d64", "gqa"), default="d64")
     ap.add_argument("--turns", type=int, default=300)
     args = ap.parse_args()
-    case = Case(args.shape)
-    paths = {"dpa": case.module, "direct": case.direct}
+    b = batch(args.shape)
+    leaves = b.leaves()  # both paths on the same tensors
+    paths = {"dpa": dpa_call(b, leaves), "direct": fa4_call(b, leaves)}
     samples: Dict[str, List[List[float]]] = {name: [] for name in paths}
     with backend_scope(force="FlashAttention v4"):
         for _ in range(30):  # warm-up: FA4 compiles, the fast path and bound calls settle
             for call in paths.values():
-                case.turn(call)
+                turn(call, leaves, b.grad)
         for _ in range(args.turns):
             for name, call in paths.items():
-                samples[name].append(case.turn(call))
+                samples[name].append(turn(call, leaves, b.grad))
     for i, phase in enumerate(PHASES):
-        a, b = (statistics.median(s[i] for s in samples[name]) * 1e6 for name in ("dpa", "direct"))
-        print(f"{args.shape} {phase:18s} dpa {a:8.1f}  direct {b:8.1f}  diff {a - b:7.1f}  ratio {a / b:.3f} (us)")
+        a, d = (statistics.median(s[i] for s in samples[name]) * 1e6 for name in ("dpa", "direct"))
+        print(f"{args.shape} {phase:18s} dpa {a:8.1f}  direct {d:8.1f}  diff {a - d:7.1f}  ratio {a / d:.3f} (us)")
 
 
 if __name__ == "__main__":

@@ -34,17 +34,13 @@ def _bwd(**kw):
 def interface(on_call: Optional[Callable[[str], None]] = None) -> types.ModuleType:
     """The stand-in module; ``on_call("fa4_fwd" | "fa4_bwd")`` is told of each call."""
     module = types.ModuleType("flash_attn.cute.interface")
-    if on_call is None:
-        module._flash_attn_fwd, module._flash_attn_bwd = _fwd, _bwd
-        return module
-
-    def fwd(**kw):
-        on_call("fa4_fwd")
-        return _fwd(**kw)
-
-    def bwd(**kw):
-        on_call("fa4_bwd")
-        return _bwd(**kw)
-
-    module._flash_attn_fwd, module._flash_attn_bwd = fwd, bwd
+    for name, fn, tag in (("_flash_attn_fwd", _fwd, "fa4_fwd"), ("_flash_attn_bwd", _bwd, "fa4_bwd")):
+        setattr(module, name, fn if on_call is None else _told(on_call, tag, fn))
     return module
+
+
+def _told(on_call: Callable[[str], None], tag: str, fn: Callable) -> Callable:
+    def call(**kw):
+        on_call(tag)
+        return fn(**kw)
+    return call

@@ -31,8 +31,9 @@ heads, and the 32k batch (14 sequences of 512-4096, d128, 16 heads).
   python benchmarks/attention/profile_stages.py --json OUT.json --shapes short-gqa --backends fa4
   python benchmarks/attention/profile_stages.py --compare before1.json,before2.json after1.json,after2.json
 
-With ``--cpu-noop`` the libraries are stand-ins (FA4's interface module and cuDNN's graph
-execution return at once, the gap-row launches are no-ops: their own Python is excluded), the
+With ``--cpu-noop`` the libraries are stand-ins (cuDNN's graph execution returns at once; FA4's
+interface, ``noop_fa4.py``, only allocates the buffers FA4 allocates; the gap-row launches are
+no-ops: the libraries' own Python, FA4's buffer validation included, is excluded), the
 value checks that only run on the CPU are swapped for the CUDA path's work (as
 ``profile_mixed_host.py`` does), and the package's own Python runs in full: the numbers estimate
 the CUDA host path on a CPU core. glibc's malloc is told to keep freed memory (the script re-runs

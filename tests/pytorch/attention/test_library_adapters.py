@@ -173,8 +173,10 @@ def test_fa4_library_calls_by_keyword(fa4_lib, mask, window, sent):
         assert (kw["max_seqlen_q"], kw["max_seqlen_k"], kw["softmax_scale"]) == (7, 7, SCALE)
         assert "learnable_sink" not in kw
     assert bwd["softcap"] == 0.0 and bwd["deterministic"] is torch.are_deterministic_algorithms_enabled()
-    # One policy, eager: FA4 is handed no output or LSE buffer (it allocates them) and asked for the LSE.
+    # One policy, eager: FA4 is handed no output or LSE buffer (it allocates them) and asked for the
+    # LSE, which reaches the backward as FA4 made it ([H, T]).
     assert fwd["return_lse"] is True and fwd["out"] is None and fwd["lse"] is None and out.shape == (p.q.shape[0], H * D)
+    assert bwd["lse"].shape == (H, p.q.shape[0]) and bwd["dq"] is None
 
 
 def test_fa4_dense_call_passes_no_max_seqlen(fa4_lib):
